@@ -1,0 +1,31 @@
+# Two commands do all set-up on a fresh machine:
+#   make serve   creates .venv, installs kvik, and serves the built-in demo model on 127.0.0.1:8000
+#   make test    creates .venv, installs kvik with its test tools, and runs every test
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+PORT   ?= 8000
+
+.PHONY: serve test demo lint clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# Pinned first: an unpinned torch would pull a multi-GB CUDA build on CPU-only machines.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[all,dev]'
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/kvik serve --port $(PORT)
+
+demo: $(STAMP)
+	$(BIN)/kvik generate
+
+test: $(STAMP)
+	$(BIN)/lint-imports
+	$(BIN)/pytest
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,56 @@
+"""What the engine returns: `RequestOutput` with one `CompletionOutput` per choice (vLLM's shape)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class Logprob:
+    logprob: float
+    rank: int  # 1 = the most likely token
+    decoded_token: str | None = None
+
+
+# One dict per position: token id -> Logprob, holding the chosen token and the top-k alternatives.
+SampleLogprobs = list[dict[int, Logprob]]
+# One entry per prompt token; the first is None (nothing precedes it).
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: SampleLogprobs | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" while None is still running
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """Wall-clock times (time.time()) of a request's life; None where not reached yet."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: PromptLogprobs | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    metrics: RequestMetrics | None = None
+    extra: dict[str, object] = field(default_factory=dict)

@@ -1,0 +1,1 @@
+"""OpenAI wire format shared by the server and the gateway: schemas, SSE framing, error envelopes."""
