@@ -131,3 +131,15 @@ class MissingWeightsError(ConfigError):
 
 class InsufficientMemoryError(ConfigError):
     """The model plus the smallest usable KV cache does not fit in the memory budget."""
+
+
+# Added for the gateway.
+
+
+class QuotaExceededError(KvikError):
+    """The key has used up its token budget (HTTP 429, OpenAI's `insufficient_quota`). Not a
+    `RetryableError`: waiting does not help, so no Retry-After is sent."""
+
+    http_status = 429
+    error_type = "insufficient_quota"
+    code = "insufficient_quota"

@@ -1,0 +1,86 @@
+"""`LLM`: the offline API, shaped like vLLM's.
+
+    from kvik import LLM, SamplingParams
+    llm = LLM(model="path/or/hub-id", max_num_seqs=32)
+    outputs = llm.generate(["Hello", "The capital of France is"], SamplingParams(max_tokens=16))
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+from tqdm import tqdm
+
+from kvik.core.config import EngineArgs
+from kvik.core.errors import InvalidRequestError
+from kvik.core.outputs import RequestOutput
+from kvik.core.sampling_params import OutputKind, SamplingParams
+from kvik.engine.llm_engine import LLMEngine
+
+Prompt = str | list[int]
+Message = dict[str, Any]
+
+
+class LLM:
+    def __init__(self, model: str, **engine_args: Any) -> None:
+        self.engine = LLMEngine(EngineArgs.from_kwargs(model, **engine_args))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self) -> Any:
+        """The HF tokenizer of the model."""
+        return self.engine.tokenizer.hf
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for every prompt (strings or token-id lists); outputs come in prompt order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                         and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt, not a batch
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise InvalidRequestError(f"sampling_params: {len(params_list)} given for "
+                                          f"{len(prompts)} prompts; give one or one per prompt")
+        request_ids = []
+        try:
+            for prompt, params in zip(prompts, params_list):
+                request_id = str(next(self._ids))
+                self.engine.add_request(request_id, prompt, params.clone(output_kind=OutputKind.FINAL_ONLY))
+                request_ids.append(request_id)
+        except Exception:
+            for request_id in request_ids:  # leave the engine as we found it
+                self.engine.abort_request(request_id)
+            raise
+        return self._run(request_ids, use_tqdm)
+
+    def chat(self, messages: list[Message] | list[list[Message]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             add_generation_prompt: bool = True, chat_template: str | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conversation in conversations:
+            text = self.engine.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt, chat_template=chat_template)
+            # The template already wrote any special tokens the model expects.
+            prompts.append(self.engine.tokenizer.encode(text, add_special_tokens=False))
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(request_ids), desc="Generating", disable=not use_tqdm) as progress:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        progress.update(1)
+        return [finished[request_id] for request_id in request_ids]

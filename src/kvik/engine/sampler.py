@@ -1,0 +1,188 @@
+"""Batched sampling: logit processors, then greedy or random choice, and logprobs.
+
+Order per row: logit bias, min_tokens (forbid end-of-sequence tokens), repetition penalty (prompt and
+output tokens, HF's rule), presence and frequency penalties (output tokens, OpenAI's rule), then greedy
+argmax or: temperature, top-k, top-p, min-p, and a draw. Returned logprobs are those of the model's raw
+distribution (log-softmax of the unprocessed logits), as vLLM and OpenAI report them.
+
+A draw is argmax(p / e) with e ~ Exp(1) per vocabulary entry, which picks token i with probability p_i.
+A seeded request draws e from its own generator, one draw per step, so its tokens do not depend on
+what else shares the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvik.core.outputs import Logprob
+from kvik.engine.request import Request
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]
+    # Per row: {token id: Logprob} with the chosen token and the top-k alternatives, or None.
+    logprobs: list[dict[int, Logprob] | None]
+    chosen_logprobs: list[float | None]  # logprob of each chosen token, for cumulative_logprob
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, eos_token_ids: list[int], device: torch.device,
+                 seed: int = 0) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        """logits: (R, V) float32, row i for requests[i]."""
+        rows = len(requests)
+        if rows == 0:
+            return SamplerOutput([], [], [])
+        want_logprobs = [r.params.logprobs is not None for r in requests]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+        processed = self._process(logits, requests)
+
+        chosen = torch.empty(rows, dtype=torch.long, device=logits.device)
+        greedy = [i for i, r in enumerate(requests) if r.params.greedy]
+        sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
+        if greedy:
+            index = torch.tensor(greedy, device=logits.device)
+            chosen[index] = processed[index].argmax(dim=-1)
+        if sampled:
+            index = torch.tensor(sampled, device=logits.device)
+            chosen[index] = self._draw(processed[index], [requests[i] for i in sampled])
+        token_ids = chosen.tolist()
+        logprobs: list[dict[int, Logprob] | None] = [None] * rows
+        chosen_lp: list[float | None] = [None] * rows
+        if raw_logprobs is not None:
+            self._gather_logprobs(raw_logprobs, chosen, requests, want_logprobs, logprobs, chosen_lp)
+        return SamplerOutput(token_ids, logprobs, chosen_lp)
+
+    # -- logit processors --
+
+    def _process(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        vocab = logits.shape[-1]
+        processed = logits
+        for row, request in enumerate(requests):
+            params = request.params
+            needs = (params.logit_bias or params.min_tokens or params.repetition_penalty != 1.0
+                     or params.presence_penalty or params.frequency_penalty)
+            if not needs:
+                continue
+            if processed is logits:
+                processed = logits.clone()
+            values = processed[row]
+            if params.logit_bias:
+                ids = [t for t in params.logit_bias if 0 <= t < vocab]
+                if ids:
+                    bias = torch.tensor([params.logit_bias[t] for t in ids], device=values.device)
+                    values[torch.tensor(ids, device=values.device)] += bias
+            if request.num_output_tokens < params.min_tokens:
+                banned = list(params.stop_token_ids)
+                if not params.ignore_eos:
+                    banned += self.eos_token_ids
+                banned = [t for t in banned if 0 <= t < vocab]
+                if banned:
+                    values[torch.tensor(banned, device=values.device)] = float("-inf")
+            if params.repetition_penalty != 1.0:
+                seen = torch.tensor(request.all_token_ids, device=values.device).unique()
+                scores = values[seen]
+                penalty = params.repetition_penalty
+                values[seen] = torch.where(scores > 0, scores / penalty, scores * penalty)
+            if (params.presence_penalty or params.frequency_penalty) and request.num_output_tokens:
+                outputs = torch.tensor(request.output_token_ids, device=values.device)
+                counts = torch.bincount(outputs, minlength=vocab)[:vocab].to(values.dtype)
+                values -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+        return processed
+
+    # -- random draw with temperature, top-k, top-p, min-p --
+
+    def _draw(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        device = logits.device
+        temperature = torch.tensor([r.params.temperature for r in requests], device=device)
+        logits = logits / temperature[:, None]
+        vocab = logits.shape[-1]
+        top_k = [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in requests]
+        top_p = [r.params.top_p for r in requests]
+        min_p = [r.params.min_p for r in requests]
+        filtered = any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p) or any(min_p)
+        if filtered:
+            logits, order = logits.sort(dim=-1, descending=True)
+            ranks = torch.arange(vocab, device=device)[None, :]
+            logits = logits.masked_fill(ranks >= torch.tensor(top_k, device=device)[:, None],
+                                        float("-inf"))
+            probs = logits.softmax(dim=-1)
+            mass_before = probs.cumsum(dim=-1) - probs
+            remove = mass_before > torch.tensor(top_p, device=device)[:, None]
+            remove |= probs < torch.tensor(min_p, device=device)[:, None] * probs[:, :1]
+            remove[:, 0] = False  # the most likely token always survives
+            probs = probs.masked_fill(remove, 0.0)
+        else:
+            probs = logits.softmax(dim=-1)
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, r in enumerate(requests) if r.params.seed is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), vocab, device=device).exponential_(
+                generator=self.generator)
+        for i, request in enumerate(requests):
+            if request.params.seed is not None:
+                if request.generator is None:
+                    request.generator = torch.Generator(device=device).manual_seed(
+                        request.params.seed + request.index)
+                noise[i].exponential_(generator=request.generator)
+        # Exp(1) can return exactly 0; 0/0 would be NaN, which argmax would pick.
+        choice = (probs / noise.clamp_min_(1e-30)).argmax(dim=-1)
+        if filtered:
+            choice = order.gather(1, choice[:, None]).squeeze(1)
+        return choice
+
+    # -- logprobs --
+
+    @staticmethod
+    def _gather_logprobs(raw: torch.Tensor, chosen: torch.Tensor, requests: list[Request],
+                         wanted: list[bool], out: list[dict[int, Logprob] | None],
+                         chosen_out: list[float | None]) -> None:
+        rows = [i for i, w in enumerate(wanted) if w]
+        index = torch.tensor(rows, device=raw.device)
+        lp = raw[index]
+        picked = chosen[index]
+        picked_lp = lp.gather(1, picked[:, None]).squeeze(1)
+        ranks = (lp > picked_lp[:, None]).sum(dim=-1) + 1
+        max_k = max(requests[i].params.logprobs for i in rows)
+        top_values, top_ids = lp.topk(max_k, dim=-1) if max_k else (None, None)
+        picked_list, picked_lp_list, ranks_list = picked.tolist(), picked_lp.tolist(), ranks.tolist()
+        top_v = top_values.tolist() if max_k else None
+        top_i = top_ids.tolist() if max_k else None
+        for j, row in enumerate(rows):
+            entry = {picked_list[j]: Logprob(picked_lp_list[j], ranks_list[j])}
+            k = requests[row].params.logprobs
+            for rank in range(k):
+                token = top_i[j][rank]
+                if token not in entry:
+                    entry[token] = Logprob(top_v[j][rank], rank + 1)
+            out[row] = entry
+            chosen_out[row] = picked_lp_list[j]
+
+
+def prompt_logprobs_for(raw_logits: torch.Tensor, targets: list[int], k: int) -> list[dict[int, Logprob]]:
+    """Logprob entries for prompt tokens: row i of `raw_logits` scores `targets[i]`."""
+    lp = torch.log_softmax(raw_logits, dim=-1)
+    target = torch.tensor(targets, device=lp.device)
+    target_lp = lp.gather(1, target[:, None]).squeeze(1)
+    ranks = ((lp > target_lp[:, None]).sum(dim=-1) + 1).tolist()
+    target_list = target_lp.tolist()
+    top_v, top_i = lp.topk(k, dim=-1) if k else (None, None)
+    top_v = top_v.tolist() if k else None
+    top_i = top_i.tolist() if k else None
+    entries = []
+    for j, token in enumerate(targets):
+        entry = {token: Logprob(target_list[j], ranks[j])}
+        for rank in range(k):
+            alt = top_i[j][rank]
+            if alt not in entry:
+                entry[alt] = Logprob(top_v[j][rank], rank + 1)
+        entries.append(entry)
+    return entries

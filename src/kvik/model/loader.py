@@ -1,0 +1,135 @@
+"""Find a model directory (local or on the hub), read its config, and load safetensors weights.
+
+The model is built on the meta device, so no memory is spent on random initialisation, then
+materialised on the target device and filled tensor by tensor from the checkpoint (single file or
+shards listed in `model.safetensors.index.json`), with a progress bar.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvik.core.errors import ConfigError, MissingWeightsError
+from kvik.model.config import ModelConfig, model_config_from_hf
+from kvik.model.models.registry import model_class
+
+logger = logging.getLogger("kvik.model")
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: nn.Module
+    config: ModelConfig
+    path: Path
+    weight_bytes: int
+
+
+def resolve_model_path(model: str, revision: str | None = None) -> Path:
+    """A local directory as is; anything else is treated as a hub id and downloaded (cached)."""
+    local = Path(model).expanduser()
+    if local.is_dir():
+        return local
+    if local.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1:
+        raise ConfigError(f"model: {model!r} is not a model directory (expected config.json and "
+                          "safetensors weights) nor a hub id like 'Qwen/Qwen2.5-0.5B-Instruct'")
+    try:
+        from huggingface_hub import snapshot_download
+
+        path = snapshot_download(
+            repo_id=model, revision=revision,
+            allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"],
+        )
+    except Exception as exc:  # network, auth, or missing repo: all need the user's action
+        raise ConfigError(f"model: could not download {model!r} from the hub ({exc}). Check the id, "
+                          "the network, and HF_TOKEN for gated models, or pass a local directory")
+    return Path(path)
+
+
+def read_hf_config(path: Path) -> dict[str, Any]:
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise ConfigError(f"model: {path} has no config.json; is it an HF model directory?")
+    return json.loads(config_path.read_text())
+
+
+def load_model_config(path: Path) -> ModelConfig:
+    raw = read_hf_config(path)
+    architectures = raw.get("architectures") or []
+    if not architectures:
+        raise ConfigError(f"{path}/config.json: field 'architectures' is missing or empty")
+    architecture = architectures[0]
+    model_class(architecture)  # fails early, naming the supported architectures
+    config = model_config_from_hf(raw, architecture)
+    generation = path / "generation_config.json"
+    if generation.is_file():
+        eos = json.loads(generation.read_text()).get("eos_token_id")
+        if eos is not None:
+            extra = [eos] if isinstance(eos, int) else list(eos)
+            config.eos_token_ids = list(dict.fromkeys(config.eos_token_ids + extra))
+    return config
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    index = path / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({path / name for name in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise MissingWeightsError(f"{path}: shards listed in {INDEX_FILE} are missing: "
+                                      f"{', '.join(missing)}")
+        return files
+    if (path / SINGLE_FILE).is_file():
+        return [path / SINGLE_FILE]
+    others = sorted(p.name for p in path.glob("*.safetensors"))
+    if others:
+        return [path / name for name in others]
+    has_bin = any(path.glob("*.bin")) or any(path.glob("*.pt"))
+    hint = " (only PyTorch .bin files found; convert them to safetensors)" if has_bin else ""
+    raise MissingWeightsError(f"{path}: no safetensors weights found{hint}")
+
+
+def load_model(path: Path, config: ModelConfig, device: torch.device, dtype: torch.dtype,
+               show_progress: bool = True) -> LoadedModel:
+    from safetensors import safe_open
+    from tqdm import tqdm
+
+    cls = model_class(config.architecture)
+    with torch.device("meta"):
+        model = cls(config)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.tie_weights()
+    loader = model.weight_loader()
+    files = checkpoint_files(path)
+    unexpected: list[str] = []
+    weight_bytes = 0
+    with torch.no_grad():
+        for file in files:
+            with safe_open(str(file), framework="pt", device="cpu") as handle:
+                names = list(handle.keys())
+                for name in tqdm(names, desc=f"Loading {file.name}", unit="tensor",
+                                 disable=not show_progress, leave=False):
+                    if model.skip_checkpoint_tensor(name):
+                        continue
+                    tensor = handle.get_tensor(name)
+                    if loader.load(model.checkpoint_name(name), tensor):
+                        weight_bytes += tensor.numel() * dtype.itemsize
+                    else:
+                        unexpected.append(name)
+    loader.finish(f"checkpoint {path}")
+    if unexpected:
+        logger.warning("ignored %d checkpoint tensor(s) the model does not use: %s", len(unexpected),
+                       ", ".join(unexpected[:5]))
+    model.prepare(device, dtype)
+    model.eval()
+    return LoadedModel(model=model, config=config, path=path, weight_bytes=weight_bytes)

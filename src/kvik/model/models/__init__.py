@@ -1,0 +1,1 @@
+"""Model families. `registry` maps an HF architecture name to its class."""

@@ -1,0 +1,147 @@
+"""The Llama family: Llama (GQA, Llama-3 rope scaling), Mistral, Qwen2 (bias on q/k/v) and Qwen3
+(RMSNorm on q and k per head). They differ only in flags of `ModelConfig`, so one implementation
+serves all four and each keeps the HF parameter names (with q/k/v and gate/up fused).
+
+Forward contract shared by every kvik model: `forward(input_ids (T,), positions (T,), meta)` returns
+hidden states (T, hidden) for a flat batch of tokens from many sequences; `compute_logits(hidden)`
+applies the LM head to the rows that need logits only.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvik.model.config import ModelConfig
+from kvik.model.layers.attention import AttentionMetadata, PagedAttention
+from kvik.model.layers.norm import RMSNorm
+from kvik.model.layers.rotary import RotaryEmbedding
+from kvik.model.weights import FusedPiece, WeightLoader
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.kv_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        # Qwen2 has biases on q/k/v but not on the output projection; Llama's flag covers both.
+        o_bias = cfg.attention_bias and cfg.model_type != "qwen2"
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+        self.qk_norm = cfg.qk_norm
+        self.rotary = [rotary]  # a list so the shared module is not registered once per layer
+        self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary[0](positions, q, k)
+        return self.o_proj(self.attn(q, k, v, meta))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        if cfg.hidden_act != "silu":
+            raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported for {cfg.architecture}")
+        bias = bool(cfg.raw.get("mlp_bias", False))
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.self_attn = LlamaAttention(cfg, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x, meta)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                      cfg.rope_scaling)
+        self.model = LlamaModel(cfg, self.rotary)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the LM head when the config says so (again after
+        materialising from the meta device, which unties parameters)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def prepare(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Build non-weight state after the weights are loaded (rotary tables)."""
+        self.rotary.build_cache(device, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def weight_loader(self) -> WeightLoader:
+        cfg = self.config
+        q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.kv_dim, cfg.intermediate_size
+        fused = [
+            FusedPiece("q_proj", "qkv_proj", 0, q),
+            FusedPiece("k_proj", "qkv_proj", q, kv),
+            FusedPiece("v_proj", "qkv_proj", q + kv, kv),
+            FusedPiece("gate_proj", "gate_up_proj", 0, inter),
+            FusedPiece("up_proj", "gate_up_proj", inter, inter),
+        ]
+        loader = WeightLoader(self, fused)
+        if cfg.tie_word_embeddings:
+            loader.ignore(["lm_head.weight"])
+        return loader
+
+    @staticmethod
+    def checkpoint_name(name: str) -> str:
+        return name
+
+    def skip_checkpoint_tensor(self, name: str) -> bool:
+        # Old checkpoints store rotary tables; tied models may still ship an lm_head copy, which HF
+        # ignores in favour of the embedding.
+        return name.endswith("rotary_emb.inv_freq") or (
+            self.config.tie_word_embeddings and name == "lm_head.weight")

@@ -1,0 +1,35 @@
+"""Shared fixtures: tiny random-weight models that kvik writes itself, one per architecture."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gpt2")
+
+# Tests run on 2 cores next to other processes; one torch thread per test process is fastest.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(scope="session")
+def model_dir_factory(tmp_path_factory: pytest.TempPathFactory):
+    """make(arch, **kwargs) -> Path of a tiny random model, written once per session."""
+    from kvik.model.make_model import make_model
+
+    made: dict[tuple, Path] = {}
+
+    def make(arch: str = "llama", size: str = "tiny", **kwargs) -> Path:
+        key = (arch, size, tuple(sorted(kwargs.items())))
+        if key not in made:
+            out = tmp_path_factory.mktemp(f"{arch}-{size}")
+            made[key] = make_model(out, arch, size, **kwargs)
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(model_dir_factory) -> Path:
+    return model_dir_factory("llama")
