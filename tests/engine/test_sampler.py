@@ -1,0 +1,139 @@
+"""Sampler: seeded reproducibility whatever the batch, sampled frequencies against the target
+distribution (chi-square), and each logit processor against its formula."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy import stats
+
+from kvik import LLM, SamplingParams
+from kvik.engine.sampler import Sampler
+from tests.engine.helpers import make_request
+
+VOCAB = 50
+
+
+def target_distribution(logits: torch.Tensor, temperature: float, top_p: float, top_k: int = 0,
+                        min_p: float = 0.0) -> torch.Tensor:
+    """Written independently of the sampler: the distribution its draws must follow."""
+    probs = torch.softmax(logits.double() / temperature, dim=-1)
+    order = torch.argsort(probs, descending=True)
+    keep = torch.zeros_like(probs, dtype=torch.bool)
+    mass = 0.0
+    for rank, token in enumerate(order.tolist()):
+        if top_k and rank >= top_k:
+            break
+        if rank > 0 and mass > top_p:
+            break
+        keep[token] = True
+        mass += probs[token].item()
+    if top_k:  # top-p applies to the top-k renormalised distribution
+        sub = probs * keep
+        sub = sub / sub.sum()
+        keep = torch.zeros_like(keep)
+        mass = 0.0
+        for rank, token in enumerate(torch.argsort(sub, descending=True).tolist()):
+            if rank > 0 and mass > top_p:
+                break
+            keep[token] = True
+            mass += sub[token].item()
+        probs = sub
+    if min_p:
+        keep &= probs >= min_p * probs[keep].max()
+    target = probs * keep
+    return target / target.sum()
+
+
+@pytest.mark.parametrize("temperature,top_p,top_k,min_p", [
+    (0.8, 0.9, 0, 0.0), (1.0, 1.0, 0, 0.0), (1.3, 1.0, 5, 0.0), (1.0, 0.95, 0, 0.05)])
+def test_sampled_frequencies_follow_the_target_distribution(temperature, top_p, top_k, min_p):
+    generator = torch.Generator().manual_seed(1234)
+    logits = torch.randn(VOCAB, generator=generator) * 2
+    draws = 6000
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
+    requests = [make_request([1], params) for _ in range(draws)]
+    sampler = Sampler(VOCAB, [], torch.device("cpu"), seed=7)
+    tokens = sampler(logits.repeat(draws, 1), requests).token_ids
+    target = target_distribution(logits, temperature, top_p, top_k, min_p)
+    counts = torch.bincount(torch.tensor(tokens), minlength=VOCAB).double()
+    assert counts[target == 0].sum() == 0, "sampled a token the filters remove"
+    # Pool the rare tokens into one bin so every expected count is at least 5.
+    expected = target * draws
+    frequent = expected >= 5
+    observed = torch.cat([counts[frequent], counts[~frequent].sum().unsqueeze(0)])
+    expect = torch.cat([expected[frequent], expected[~frequent].sum().unsqueeze(0)])
+    if expect[-1] == 0:
+        observed, expect = observed[:-1], expect[:-1]
+    result = stats.chisquare(observed.numpy(), expect.numpy())
+    assert result.pvalue > 0.001, result
+
+
+def test_greedy_takes_argmax_after_processors():
+    logits = torch.tensor([[1.0, 3.0, 2.0]])
+    sampler = Sampler(3, [], torch.device("cpu"))
+    assert sampler(logits, [make_request([0], SamplingParams(temperature=0))]).token_ids == [1]
+    biased = SamplingParams(temperature=0, logit_bias={2: 5.0})
+    assert sampler(logits, [make_request([0], biased)]).token_ids == [2]
+
+
+def test_penalties_follow_their_formulas():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 1.0, 3.0]])
+    params = SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)
+    request = make_request([0, 1], params, outputs=[2, 2, 3])
+    processed = Sampler(5, [], torch.device("cpu"))._process(logits, [request])[0]
+    expected = torch.tensor([
+        2.0 / 2,  # prompt token, positive: divided
+        -1.0 * 2,  # prompt token, negative: multiplied
+        0.5 / 2 - (0.25 * 2 + 0.5),  # output twice
+        1.0 / 2 - (0.25 * 1 + 0.5),  # output once
+        3.0,  # unseen
+    ])
+    assert torch.allclose(processed, expected)
+    assert logits[0, 0] == 2.0, "the raw logits stay untouched for logprobs"
+
+
+def test_min_tokens_forbids_eos_and_stop_ids():
+    logits = torch.tensor([[0.0, 9.0, 8.0, 1.0]])
+    params = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[2])
+    sampler = Sampler(4, eos_token_ids=[1], device=torch.device("cpu"))
+    assert sampler(logits, [make_request([0], params, outputs=[3])]).token_ids == [3]
+    assert sampler(logits, [make_request([0], params, outputs=[3, 3])]).token_ids == [1]
+
+
+def test_logprobs_report_raw_distribution_with_ranks():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
+    params = SamplingParams(temperature=0, logprobs=2, logit_bias={3: 10.0})
+    out = Sampler(4, [], torch.device("cpu"))(logits, [make_request([0], params)])
+    raw = torch.log_softmax(logits[0], -1)
+    entry = out.logprobs[0]
+    assert out.token_ids == [3]
+    assert entry[3].rank == 4 and abs(entry[3].logprob - raw[3].item()) < 1e-6
+    assert entry[1].rank == 1 and entry[2].rank == 2
+
+
+def test_seeded_requests_ignore_batch_composition(tiny_llama):
+    llm = LLM(str(tiny_llama), show_progress=False)
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=42, max_tokens=16, ignore_eos=True)
+    alone = llm.generate(["The moon rose"], seeded)[0].outputs[0].token_ids
+    noise = SamplingParams(temperature=1.2, max_tokens=24, ignore_eos=True)
+    batch = llm.generate(["Hello there", "The moon rose", "a", "Numbers matter: 1, 2, 3"],
+                         [noise, seeded, noise, noise])
+    assert batch[1].outputs[0].token_ids == alone
+    again = llm.generate(["x y z", "The moon rose"], [noise, seeded])
+    assert again[1].outputs[0].token_ids == alone
+    other_seed = llm.generate(["The moon rose"], seeded.clone(seed=43))[0].outputs[0].token_ids
+    assert other_seed != alone
+
+
+def test_n_choices_share_prompt_blocks_and_differ(tiny_llama):
+    llm = LLM(str(tiny_llama), show_progress=False, block_size=4)
+    prompt = "Once upon a time there was a small village by the sea, where the bakers rose"
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True)
+    output = llm.generate([prompt], params)[0]
+    assert [c.index for c in output.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in output.outputs}) > 1
+    prompt_len = len(output.prompt_token_ids)
+    # Siblings 1 and 2 found the prompt's full blocks in the cache.
+    assert llm.engine.kv.prefix_cache_hits >= 2 * ((prompt_len - 1) // 4) * 4
+    assert llm.generate([prompt], params)[0].outputs[1].token_ids == output.outputs[1].token_ids
