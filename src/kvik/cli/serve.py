@@ -1,0 +1,57 @@
+"""`kvik serve`: the OpenAI-compatible server."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from kvik.core.config import EngineArgs
+
+    parser = subparsers.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, "
+                    "/v1/models), with /health, /metrics, /tokenize and /detokenize. With no --model, "
+                    "serves the built-in demo model.")
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    server.add_argument("--port", type=int, default=8000)
+    server.add_argument("--served-model-name", action="append", default=None, metavar="NAME",
+                        help="name(s) clients use in `model` (default: the model path or id)")
+    server.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' (default: $KVIK_API_KEY if set)")
+    server.add_argument("--max-waiting", type=int, default=256,
+                        help="sequences that may queue beyond --max-num-seqs before new requests "
+                             "get 503 + Retry-After")
+    server.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="seconds in-flight requests may take to finish after SIGTERM")
+    server.add_argument("--max-body-bytes", type=int, default=16 * 2**20,
+                        help="largest request body accepted (413 above)")
+    server.add_argument("--log-prompts", action="store_true",
+                        help="include prompt text in the per-request log lines (off by default)")
+    server.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    EngineArgs.add_cli_args(parser)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import logging
+    import os
+
+    from kvik.cli.demo_model import demo_model_path
+    from kvik.core.config import EngineArgs
+    from kvik.core.errors import ConfigError
+    from kvik.server.launcher import run_server
+    from kvik.server.state import ServerConfig, ServerState
+
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.max_waiting < 0:
+        raise ConfigError("--max-waiting: must be >= 0")
+    engine_args = EngineArgs.from_cli_args(args, default_model=args.model or demo_model_path())
+    names = args.served_model_name or [args.model or "kvik-demo"]
+    config = ServerConfig(served_model_names=names, api_key=args.api_key or os.environ.get("KVIK_API_KEY"),
+                          max_waiting=args.max_waiting, drain_timeout=args.drain_timeout,
+                          max_body_bytes=args.max_body_bytes, log_prompts=args.log_prompts,
+                          max_num_seqs=engine_args.max_num_seqs)
+    return run_server(engine_args, ServerState(config), args.host, args.port, args.log_level)

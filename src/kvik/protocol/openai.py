@@ -1,0 +1,128 @@
+"""OpenAI request schemas (pydantic) for the chat and completions APIs, with vLLM's extensions.
+
+Unknown fields are ignored, not rejected: clients (LangChain, lm-evaluation-harness, guidellm) send
+extras. Bounds follow OpenAI where it documents them, so bad values fail validation with a 400 that
+names the field instead of reaching the engine. Responses are built as plain dicts by the server, in
+exactly OpenAI's shape.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# One request may not fan out into an unbounded number of sequences.
+MAX_N = 64
+MAX_STOP_STRINGS = 16
+
+TokenIds = list[Annotated[int, Field(ge=0, le=2**31 - 1)]]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ContentPart(_Request):
+    """Any content part; only text parts are supported, others fail with a clear 400."""
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+class _SamplingFields(_Request):
+    """Fields shared by chat and completions, including vLLM's extensions."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=0)
+    temperature: float | None = Field(default=None, ge=0, le=100)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
+    user: str | None = None
+    # vLLM extensions
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    repetition_penalty: float | None = Field(default=None, gt=0, le=100)
+    min_tokens: int = Field(default=0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: TokenIds | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, value: str | list[str] | None) -> list[str]:
+        stops = [value] if isinstance(value, str) else list(value or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        return [s for s in stops if s]
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.strip().isdigit():
+                raise ValueError(f"keys must be token ids, got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"bias for token {key} must be in [-100, 100], got {bias}")
+        return value
+
+    @property
+    def include_usage_chunk(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | TokenIds | list[TokenIds]
+    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    suffix: str | None = None
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
+
+
+class TokenizeRequest(_Request):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: TokenIds

@@ -1,0 +1,155 @@
+"""The FastAPI application: routers, authentication, body limits, and one error mapping.
+
+Every error leaves as OpenAI's envelope `{"error": {"message", "type", "param", "code"}}`: typed
+`KvikError`s with their own status, validation failures as 400 naming the field, unknown routes 404.
+A 500 means a bug, never bad input.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kvik import __version__
+from kvik.core.errors import AuthenticationError, KvikError, RequestTooLargeError
+from kvik.protocol.errors import error_body, error_from_exception
+from kvik.server.routes import generation, models, ops, tokenize
+from kvik.server.serving_chat import ChatServing
+from kvik.server.serving_common import ClientDisconnected
+from kvik.server.serving_completions import CompletionServing
+from kvik.server.state import ServerState
+
+logger = logging.getLogger("kvik.server")
+
+# Paths that never need a key and never count as in-flight work for draining.
+OPS_PATHS = frozenset({"/health", "/metrics"})
+
+
+class RequestGate:
+    """Pure ASGI middleware: refuses bodies over the size limit (413) and counts in-flight requests
+    for the graceful drain. Streaming responses count until their last byte."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPS_PATHS:
+            await self.app(scope, receive, send)
+            return
+        limit = self.state.config.max_body_bytes
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await _send_error(send, RequestTooLargeError(
+                f"request body is {int(declared)} bytes; the limit is {limit}"))
+            return
+        received = 0
+
+        async def counting_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise RequestTooLargeError(f"request body exceeds the limit of {limit} bytes")
+            return message
+
+        self.state.request_started()
+        try:
+            await self.app(scope, counting_receive, send)
+        finally:
+            self.state.request_finished()
+
+
+async def _send_error(send: Send, exc: KvikError) -> None:
+    status, body, headers = error_from_exception(exc)
+    response = JSONResponse(body, status_code=status, headers=headers)
+    await response({"type": "http"}, _no_receive, send)
+
+
+async def _no_receive() -> Message:
+    return {"type": "http.disconnect"}
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return f"the request body is not valid JSON ({first.get('msg')})", None
+    locations = [[str(p) for p in e.get("loc", ()) if p != "body"] for e in errors]
+    location = locations[0]
+    top = location[0] if location else None
+    # A value matching none of a union's branches (prompt: str | list[str] | ...) fails once per
+    # branch, with the branch name in the location: report the field, not the branch.
+    if top and len(errors) > 1 and all(loc[:1] == [top] for loc in locations) and \
+            len({tuple(loc) for loc in locations}) > 1 and not location[1:2] == ["0"]:
+        return f"{top}: has the wrong type or shape ({first.get('msg')})", top
+    param = ".".join(location) or None
+    if first.get("type") == "missing" and param:
+        return f"{param}: field required", param
+    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more error(s))"
+    return message, param
+
+
+def create_app(state: ServerState) -> FastAPI:
+    def check_api_key(request: Request) -> None:
+        expected = state.config.api_key
+        if expected is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected.encode()):
+            raise AuthenticationError("Incorrect or missing API key: send 'Authorization: Bearer <key>'")
+
+    app = FastAPI(title="kvik", version=__version__,
+                  description="OpenAI-compatible server for kvik's paged-KV engine.")
+    app.state.server = state
+    app.state.chat = ChatServing(state)
+    app.state.completions = CompletionServing(state)
+    keyed = [Depends(check_api_key)]
+    app.include_router(generation.router, dependencies=keyed)
+    app.include_router(models.router, dependencies=keyed)
+    app.include_router(tokenize.router, dependencies=keyed)
+    app.include_router(ops.router)
+    app.add_middleware(RequestGate, state=state)
+
+    @app.exception_handler(KvikError)
+    async def kvik_error(request: Request, exc: KvikError) -> Response:
+        status, body, headers = error_from_exception(exc)
+        if status >= 500 and status != 503:
+            logger.error("request failed: %s", exc.message)
+        return JSONResponse(body, status_code=status, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        message, param = _validation_message(exc)
+        return JSONResponse(error_body(message, "invalid_request_error", param, None), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        code: Any = "not_found" if exc.status_code == 404 else None
+        return JSONResponse(error_body(str(exc.detail), "invalid_request_error", None, code),
+                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(ClientDisconnected)
+    async def disconnected(request: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> Response:
+        logger.exception("unexpected error on %s %s", request.method, request.url.path)
+        return JSONResponse(error_body("internal server error", "server_error", None, None),
+                            status_code=500)
+
+    return app

@@ -1,0 +1,31 @@
+"""GET /v1/models and /v1/models/{model_id}."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from kvik.server.routes.responses import ERROR_RESPONSES
+from kvik.server.state import ServerState
+
+router = APIRouter()
+
+
+def model_card(state: ServerState, name: str) -> dict[str, Any]:
+    engine = state.engine.engine if state.engine is not None else None
+    return {"id": name, "object": "model", "created": state.started, "owned_by": "kvik",
+            "root": str(engine.model_path) if engine else None,
+            "max_model_len": engine.max_model_len if engine else None}
+
+
+@router.get("/v1/models", responses=ERROR_RESPONSES, summary="List the served models")
+async def list_models(request: Request) -> dict[str, Any]:
+    state: ServerState = request.app.state.server
+    return {"object": "list", "data": [model_card(state, n) for n in state.config.served_model_names]}
+
+
+@router.get("/v1/models/{model_id:path}", responses=ERROR_RESPONSES, summary="Describe a model")
+async def get_model(model_id: str, request: Request) -> dict[str, Any]:
+    state: ServerState = request.app.state.server
+    return model_card(state, state.resolve_model(model_id))

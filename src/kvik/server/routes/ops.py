@@ -1,0 +1,29 @@
+"""GET /health (readiness) and GET /metrics (Prometheus)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from kvik.server.state import ServerState
+
+router = APIRouter()
+
+
+@router.get("/health", summary="200 when ready; 503 while loading or draining")
+async def health(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    if state.draining:
+        return JSONResponse({"status": "draining"}, status_code=503, headers={"Retry-After": "5"})
+    if state.load_error is not None:
+        return JSONResponse({"status": "failed", "error": str(state.load_error)}, status_code=503)
+    if not state.ready:
+        return JSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": "5"})
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/metrics", summary="Prometheus metrics")
+async def metrics(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)

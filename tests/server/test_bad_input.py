@@ -1,0 +1,109 @@
+"""Bad input gets the documented status and the OpenAI error shape, never a 5xx; schemathesis
+fuzzes the server's own OpenAPI schema."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None = None,
+                 code: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+    if code is not None:
+        assert error["code"] == code, error
+    return error
+
+
+def post(server, path: str, **kwargs) -> httpx.Response:
+    return httpx.post(f"{server.base_url}/{path}", timeout=30, **kwargs)
+
+
+def test_malformed_json(server):
+    response = post(server, "completions", content=b'{"prompt": "hi",',
+                    headers={"content-type": "application/json"})
+    assert "not valid JSON" in assert_error(response, 400)["message"]
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": 5}, "prompt"),
+    ({"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": -1}, "max_tokens"),
+    ({"prompt": "hi", "temperature": -1}, "temperature"),
+    ({"prompt": "hi", "n": 0}, "n"),
+    ({"prompt": "hi", "logprobs": 6}, "logprobs"),
+    ({"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
+    ({}, "prompt"),
+])
+def test_wrong_types_and_ranges(server, body, param):
+    assert_error(post(server, "completions", json={"model": "tiny", **body}), 400, param=param)
+
+
+def test_chat_specific_errors(server):
+    assert_error(post(server, "chat/completions", json={"model": "tiny", "messages": []}), 400,
+                 param="messages")
+    bad_role = {"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]}
+    assert_error(post(server, "chat/completions", json=bad_role), 400)
+    image = {"model": "tiny", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}
+    assert "not supported" in assert_error(post(server, "chat/completions", json=image), 400)["message"]
+
+
+def test_unknown_model(server):
+    error = assert_error(post(server, "completions", json={"model": "gpt-9", "prompt": "hi"}), 404,
+                         code="model_not_found")
+    assert "gpt-9" in error["message"] and "tiny" in error["message"]
+    assert_error(httpx.get(f"{server.base_url}/models/gpt-9"), 404, code="model_not_found")
+
+
+def test_over_long_prompt_names_limit_and_counts(server):
+    response = post(server, "completions", json={"model": "tiny", "prompt": [7] * 600})
+    error = assert_error(response, 400, code="context_length_exceeded")
+    assert "512" in error["message"] and "600" in error["message"]
+    response = post(server, "completions", json={"model": "tiny", "prompt": [7] * 100, "max_tokens": 500})
+    error = assert_error(response, 400, param="max_tokens", code="context_length_exceeded")
+    assert "600 tokens (100 in the prompt, 500 in the completion)" in error["message"]
+
+
+def test_token_ids_outside_vocabulary(server):
+    assert_error(post(server, "completions", json={"model": "tiny", "prompt": [1, 99999]}), 400,
+                 param="prompt")
+    assert_error(post(server, "completions", json={"model": "tiny", "prompt": "x",
+                                                     "logit_bias": {"99999": 5}}), 400, param="logit_bias")
+
+
+def test_body_too_large(server):
+    big = b'{"prompt": "' + b"a" * (17 * 2**20) + b'"}'
+    response = post(server, "completions", content=big, headers={"content-type": "application/json"})
+    assert_error(response, 413)
+
+
+def test_unknown_route_and_extra_fields(server):
+    assert_error(httpx.get(f"{server.url}/v1/nothing"), 404)
+    ok = post(server, "completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2,
+                                            "some_client_extra": {"a": 1}, "best_of": 1})
+    assert ok.status_code == 200
+
+
+def test_schemathesis_finds_no_server_errors(server_factory, tmp_path):
+    """Fuzz every operation of /openapi.json, bounded in examples and time. A short context keeps
+    generations without max_tokens short."""
+    server = server_factory("--max-model-len", "96")
+    result = subprocess.run(
+        [sys.executable, "-m", "schemathesis.cli", "run", f"{server.url}/openapi.json",
+         "--checks", "not_a_server_error", "--max-examples", "25", "--workers", "1",
+         "--max-time", "90", "--request-timeout", "30", "--generation-deterministic",
+         "--suppress-health-check", "all", "--report-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-6000:]
+    # The server survived and still answers.
+    assert httpx.get(f"{server.url}/health").status_code == 200
