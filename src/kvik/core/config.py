@@ -32,7 +32,7 @@ class EngineArgs:
     kv_cache_memory: int | None = None
     kv_cache_fraction: float | None = None
     max_num_seqs: int = 64  # sequences in one step
-    max_num_batched_tokens: int | None = None  # per-step token budget; default max(2048, max_model_len)
+    max_num_batched_tokens: int | None = None  # per-step token budget; default 2048
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     threads: int | None = None  # CPU intra-op threads; default: torch's choice
@@ -92,7 +92,8 @@ class EngineArgs:
                                 "(default: 0.9 on CUDA, 0.25 of available RAM on CPU)")
         group.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step")
         group.add_argument("--max-num-batched-tokens", type=int, default=None,
-                           help="token budget per step (default: max(2048, max-model-len))")
+                           help="token budget per step (default: 2048; with --no-chunked-prefill "
+                                "at least max-model-len)")
         group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                            help="disable automatic prefix caching")
         group.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false",

@@ -91,5 +91,6 @@ class PagedAttention(nn.Module):
     def _gather(self, cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
         """(N, bs, Hkv, D) cache, (B, nb) tables -> (B, Hkv, nb * bs, D) contiguous keys."""
         batch, num_blocks = block_tables.shape
-        gathered = cache[block_tables]  # (B, nb, bs, Hkv, D)
+        # index_select on the flattened table is several times faster than advanced indexing.
+        gathered = cache.index_select(0, block_tables.reshape(-1))  # (B * nb, bs, Hkv, D)
         return gathered.view(batch, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)

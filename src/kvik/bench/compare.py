@@ -1,0 +1,135 @@
+"""`kvik bench compare`: kvik against the baselines a user would otherwise run, in one invocation.
+
+Every system runs on the same random-weight reference model and the same prompts, each in its own
+child process (one process tree), and the figures are printed as ratios:
+
+- offline: kvik vs HF sequential `generate` and HF static batching (left-padded batches of 16),
+  useful tokens per second, and kvik's achieved FLOP/s as a fraction of the matmul roofline;
+- single-stream decode: weight bytes per token times tokens per second, over measured bandwidth;
+- memory: kvik's peak RSS while generating against weights + configured KV budget;
+- online and prefix workloads through real HTTP servers (see `kvik.bench.online`).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvik.bench.offline import random_workload
+from kvik.bench.roofline import ModelShape, Roofline, measure_roofline
+
+
+@dataclass(slots=True)
+class CompareConfig:
+    model: str
+    num_requests: int = 64
+    input_len_range: tuple[int, int] = (64, 512)
+    output_len_range: tuple[int, int] = (16, 256)
+    seed: int = 0
+    kv_cache_memory: int = 3 * 2**30
+    systems: tuple[str, ...] = ("kvik", "hf-static", "hf-sequential")
+    engine_args: dict[str, Any] = field(default_factory=dict)
+
+
+def run_system(config: CompareConfig, system: str, workdir: Path) -> dict[str, Any]:
+    """One system on the offline workload, in a child process; returns its JSON result."""
+    out = workdir / f"offline-{system}.json"
+    engine_args = {"kv_cache_memory": config.kv_cache_memory, **config.engine_args}
+    command = [sys.executable, "-m", "kvik.bench.offline", "--system", system, "--model", config.model,
+               "--num-requests", str(config.num_requests),
+               "--input-len-range", ",".join(map(str, config.input_len_range)),
+               "--output-len-range", ",".join(map(str, config.output_len_range)),
+               "--seed", str(config.seed), "--engine-args", json.dumps(engine_args), "--json", str(out)]
+    print(f"\n== offline: {system}", flush=True)
+    subprocess.run(command, check=True)
+    return json.loads(out.read_text())
+
+
+def offline_flops(config: CompareConfig, shape: ModelShape) -> float:
+    """FLOPs of the useful work: every prompt token and every output token (the last output token
+    is sampled but never fed back, so it costs its LM-head row only)."""
+    workload = random_workload(config.num_requests, config.input_len_range, config.output_len_range,
+                               config.seed, shape.vocab)
+    total = 0.0
+    for prompt, max_tokens in zip(workload.prompts, workload.max_tokens):
+        fed = len(prompt) + max_tokens - 1  # positions that run through the body
+        total += shape.flops(list(range(fed)), logits_rows=max_tokens)
+    return total
+
+
+def single_stream_decode(model: str, prompt_len: int = 64, output_len: int = 256) -> dict[str, float]:
+    """Decode tokens/s of one request alone (time after its first token)."""
+    from kvik import LLM, SamplingParams
+
+    llm = LLM(model, show_progress=False, kv_cache_memory=2**30)
+    llm.generate([[5] * 8], SamplingParams(max_tokens=4, ignore_eos=True))
+    engine = llm.engine
+    engine.add_request("solo", list(range(3, 3 + prompt_len)),
+                       SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))
+    first = None
+    tokens = 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            tokens = len(output.outputs[0].token_ids)
+            if first is None and tokens:
+                first = time.perf_counter()
+    elapsed = time.perf_counter() - first
+    return {"decode_tokens_per_second": (tokens - 1) / elapsed, "output_tokens": tokens}
+
+
+def ratio_line(name: str, value: float, target: float, unit: str = "x") -> str:
+    verdict = "meets" if value >= target else "MISSES"
+    return f"  {name:<58} {value:8.2f}{unit}   target >= {target:g}{unit}: {verdict}"
+
+
+def run_compare(config: CompareConfig, json_out: str | None = None) -> dict[str, Any]:
+    shape = ModelShape.from_model_dir(config.model)
+    print("measuring this machine's roofline ...", flush=True)
+    roofline: Roofline = measure_roofline()
+    report: dict[str, Any] = {"config": {**config.__dict__, "systems": list(config.systems)},
+                              "roofline": roofline.to_dict()}
+    with tempfile.TemporaryDirectory(prefix="kvik-compare-") as tmp:
+        results = {system: run_system(config, system, Path(tmp)) for system in config.systems}
+    report["offline"] = results
+    print("\n== single-stream decode", flush=True)
+    report["decode"] = single_stream_decode(config.model)
+
+    lines = [f"\nroofline: matmul {roofline.matmul_flops / 1e9:.1f} GFLOP/s, read "
+             f"{roofline.read_bandwidth / 1e9:.1f} GB/s, copy {roofline.copy_bandwidth / 1e9:.1f} GB/s "
+             f"({roofline.threads} threads)", "\noffline (useful prompt+output tokens per second):"]
+    for system, result in results.items():
+        lines.append(f"  {system:<16} {result['useful_tokens_per_second']:9.1f} tok/s   "
+                     f"{result['seconds']:7.1f} s   peak RSS {result['peak_rss_bytes'] / 2**30:.2f} GiB")
+    summary: dict[str, float] = {}
+    kvik = results.get("kvik")
+    baselines = [r["useful_tokens_per_second"] for s, r in results.items() if s != "kvik"]
+    if kvik and baselines:
+        summary["offline_speedup_vs_best_hf"] = kvik["useful_tokens_per_second"] / max(baselines)
+        lines.append(ratio_line("kvik / best HF baseline", summary["offline_speedup_vs_best_hf"], 2))
+    if kvik:
+        achieved = offline_flops(config, shape) / kvik["seconds"]
+        summary["offline_roofline_fraction"] = achieved / roofline.matmul_flops
+        lines.append(ratio_line(f"kvik FLOP/s ({achieved / 1e9:.1f} G) / matmul roofline",
+                                100 * summary["offline_roofline_fraction"], 60, "%"))
+        budget = kvik["extra"]["weight_bytes"] + config.kv_cache_memory
+        summary["memory_ratio"] = kvik["peak_rss_bytes"] / budget
+        lines.append(f"  peak RSS while generating / (weights + KV budget)"
+                     f"{summary['memory_ratio']:14.2f}    target <= 1.25: "
+                     f"{'meets' if summary['memory_ratio'] <= 1.25 else 'MISSES'}")
+    decode = report["decode"]["decode_tokens_per_second"]
+    achieved_bw = decode * shape.decode_bytes_per_token()
+    summary["decode_bandwidth_fraction"] = achieved_bw / roofline.bandwidth
+    lines.append(f"\nsingle-stream decode: {decode:.1f} tok/s = {achieved_bw / 1e9:.1f} GB/s of weights")
+    lines.append(ratio_line("decode bandwidth / measured bandwidth",
+                            100 * summary["decode_bandwidth_fraction"], 80, "%"))
+    report["summary"] = summary
+    print("\n".join(lines))
+    if json_out:
+        Path(json_out).write_text(json.dumps(report, indent=2))
+    return report

@@ -1,0 +1,102 @@
+"""What this machine can do at best: float32 matmul FLOP/s and memory bandwidth, and the FLOPs and
+bytes a Llama-shaped model needs per token, so measured throughput can be read as a fraction of the
+roofline it is bound by."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+import torch
+
+
+@dataclass(slots=True)
+class Roofline:
+    matmul_flops: float  # float32 FLOP/s of a large GEMM, best of several runs
+    read_bandwidth: float  # bytes/s streaming a large tensor once (reduction)
+    copy_bandwidth: float  # bytes/s moved by a large copy (read + write counted)
+    threads: int
+
+    @property
+    def bandwidth(self) -> float:
+        return max(self.read_bandwidth, self.copy_bandwidth)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _best_time(fn: Callable[[], Any], repeats: int) -> float:
+    fn()  # warm caches, page in memory
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def measure_roofline(repeats: int = 5, gemm_size: int = 2048, stream_bytes: int = 2**30) -> Roofline:
+    a = torch.randn(gemm_size, gemm_size)
+    b = torch.randn(gemm_size, gemm_size)
+    out = torch.empty(gemm_size, gemm_size)
+    gemm = _best_time(lambda: torch.mm(a, b, out=out), repeats)
+    flops = 2 * gemm_size**3 / gemm
+    del a, b, out
+    big = torch.ones(stream_bytes // 4)
+    read = _best_time(lambda: big.sum(), repeats)
+    target = torch.empty_like(big)
+    copy = _best_time(lambda: target.copy_(big), repeats)
+    return Roofline(matmul_flops=flops, read_bandwidth=stream_bytes / read,
+                    copy_bandwidth=2 * stream_bytes / copy, threads=torch.get_num_threads())
+
+
+@dataclass(slots=True)
+class ModelShape:
+    """The dimensions that decide FLOPs and bytes per token of a Llama-shaped model."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    bytes_per_param: int = 4
+
+    @classmethod
+    def from_model_dir(cls, path: str) -> ModelShape:
+        import json
+        from pathlib import Path
+
+        raw = json.loads((Path(path) / "config.json").read_text())
+        hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
+        return cls(hidden, raw["num_hidden_layers"], heads, raw.get("num_key_value_heads") or heads,
+                   raw.get("head_dim") or hidden // heads, raw["intermediate_size"], raw["vocab_size"])
+
+    @property
+    def layer_matmul_params(self) -> int:
+        attention = self.hidden * (self.heads + 2 * self.kv_heads) * self.head_dim
+        attention += self.heads * self.head_dim * self.hidden
+        return attention + 3 * self.hidden * self.intermediate
+
+    @property
+    def body_matmul_params(self) -> int:
+        return self.layers * self.layer_matmul_params
+
+    @property
+    def lm_head_params(self) -> int:
+        return self.hidden * self.vocab
+
+    def flops(self, token_positions: list[int], logits_rows: int) -> float:
+        """FLOPs to process tokens at the given positions (context = position + 1 each) and
+        compute `logits_rows` LM-head rows: 2 per matmul parameter passed, plus attention's
+        QK^T and PV (2 * 2 * context * heads * head_dim per layer)."""
+        dense = 2 * self.body_matmul_params * len(token_positions) + 2 * self.lm_head_params * logits_rows
+        contexts = sum(p + 1 for p in token_positions)
+        attention = 4 * contexts * self.heads * self.head_dim * self.layers
+        return dense + attention
+
+    def decode_bytes_per_token(self) -> int:
+        """Weights read by one single-stream decode step (embedding row not counted)."""
+        return (self.body_matmul_params + self.lm_head_params) * self.bytes_per_param
