@@ -44,9 +44,9 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         num_blocks = kv.pool.num_blocks
-        # One allocation for every layer: (layers, k/v, blocks, block_size, kv_heads, head_dim).
+        # One allocation for every layer: (layers, k/v, kv_heads, blocks, block_size, head_dim).
         # Zeroed so that padding slots read by the batched gather are finite (masked afterwards).
-        self.kv_cache = torch.zeros(num_layers, 2, num_blocks, self.block_size, num_kv_heads, head_dim,
+        self.kv_cache = torch.zeros(num_layers, 2, num_kv_heads, num_blocks, self.block_size, head_dim,
                                     device=device, dtype=dtype)
         for layer_index, attention in enumerate(model.attention_layers()):
             attention.kv_cache = self.kv_cache[layer_index]

@@ -1,8 +1,10 @@
 """Paged attention over a flat token batch, in plain PyTorch.
 
-The KV cache of one layer is a tensor (2, num_blocks, block_size, num_kv_heads, head_dim); a token at
+The KV cache of one layer is a tensor (2, num_kv_heads, num_blocks, block_size, head_dim); a token at
 absolute position p of a sequence lives in slot `block_table[p // block_size] * block_size +
-p % block_size`. Each step writes the new tokens' keys and values into their slots, then attends:
+p % block_size` of every head. Heads come first so that gathering a sequence's blocks yields
+(heads, tokens, head_dim) with the last two dimensions contiguous, which is what the CPU SDPA kernels
+want (a strided layout is several times slower). Each step writes the new tokens' keys and values into their slots, then attends:
 
 - decodes (one query token per sequence; they come first in the batch) in one batched SDPA call over
   keys gathered through the block tables, padded to the longest sequence and masked;
@@ -59,9 +61,10 @@ class PagedAttention(nn.Module):
         """q: (T, H, D); k, v: (T, Hkv, D) -> (T, H * D)."""
         assert self.kv_cache is not None, "KV cache not bound: the model runner binds it"
         num_tokens = q.shape[0]
-        k_cache, v_cache = self.kv_cache[0], self.kv_cache[1]  # (N, bs, Hkv, D) each
-        k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
+        k_cache, v_cache = self.kv_cache[0], self.kv_cache[1]  # (Hkv, N, bs, D) each
+        slots = meta.slot_mapping
+        k_cache.view(self.num_kv_heads, -1, self.head_dim).index_copy_(1, slots, k.transpose(0, 1))
+        v_cache.view(self.num_kv_heads, -1, self.head_dim).index_copy_(1, slots, v.transpose(0, 1))
 
         out = q.new_empty(num_tokens, self.num_heads, self.head_dim)
         num_decodes = meta.num_decodes
@@ -74,23 +77,25 @@ class PagedAttention(nn.Module):
             out[:num_decodes] = attended.squeeze(2)
         for span in meta.prefills:
             start, end = span.query_start, span.query_start + span.query_len
-            query = q[start:end].transpose(0, 1)  # (H, n, D)
+            # 4-D (1, H, n, D): the 3-D form misses the fused CPU kernels.
+            query = q[start:end].transpose(0, 1).unsqueeze(0)
             if span.context_len == 0:
-                keys, values = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
+                keys = k[start:end].transpose(0, 1).unsqueeze(0)
+                values = v[start:end].transpose(0, 1).unsqueeze(0)
                 attended = F.scaled_dot_product_attention(query, keys, values, is_causal=True,
                                                           scale=self.scale, enable_gqa=self.gqa)
             else:
                 total = span.context_len + span.query_len
-                keys = self._gather(k_cache, span.block_table.unsqueeze(0))[0, :, :total]
-                values = self._gather(v_cache, span.block_table.unsqueeze(0))[0, :, :total]
+                table = span.block_table.unsqueeze(0)
+                keys = self._gather(k_cache, table)[:, :, :total]
+                values = self._gather(v_cache, table)[:, :, :total]
                 attended = F.scaled_dot_product_attention(query, keys, values, attn_mask=span.mask,
                                                           scale=self.scale, enable_gqa=self.gqa)
-            out[start:end] = attended.transpose(0, 1)
+            out[start:end] = attended[0].transpose(0, 1)
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
     def _gather(self, cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-        """(N, bs, Hkv, D) cache, (B, nb) tables -> (B, Hkv, nb * bs, D) contiguous keys."""
-        batch, num_blocks = block_tables.shape
-        # index_select on the flattened table is several times faster than advanced indexing.
-        gathered = cache.index_select(0, block_tables.reshape(-1))  # (B * nb, bs, Hkv, D)
-        return gathered.view(batch, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        """(Hkv, N, bs, D) cache, (B, nb) tables -> (B, Hkv, nb * bs, D), inner dims contiguous."""
+        batch = block_tables.shape[0]
+        gathered = cache.index_select(1, block_tables.reshape(-1))  # (Hkv, B * nb, bs, D)
+        return gathered.view(self.num_kv_heads, batch, -1, self.head_dim).transpose(0, 1)
