@@ -17,11 +17,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvik.bench.offline import random_workload
+from kvik.bench.online import OnlineConfig, run_online, run_prefix, save, summary_lines
 from kvik.bench.roofline import ModelShape, Roofline, measure_roofline
 
 
@@ -35,6 +36,12 @@ class CompareConfig:
     kv_cache_memory: int = 3 * 2**30
     systems: tuple[str, ...] = ("kvik", "hf-static", "hf-sequential")
     engine_args: dict[str, Any] = field(default_factory=dict)
+    run_offline: bool = True
+    run_online: bool = True
+    run_prefix: bool = True
+    out_dir: str = "bench-results"
+    kvik_rates: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0, 4.0)
+    naive_rates: tuple[float, ...] = (0.25, 0.5)
 
 
 def run_system(config: CompareConfig, system: str, workdir: Path) -> dict[str, Any]:
@@ -88,25 +95,60 @@ def ratio_line(name: str, value: float, target: float, unit: str = "x") -> str:
     return f"  {name:<58} {value:8.2f}{unit}   target >= {target:g}{unit}: {verdict}"
 
 
-def run_compare(config: CompareConfig, json_out: str | None = None) -> dict[str, Any]:
+def run_compare(config: CompareConfig) -> dict[str, Any]:
+    out_dir = Path(config.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
     shape = ModelShape.from_model_dir(config.model)
     print("measuring this machine's roofline ...", flush=True)
     roofline: Roofline = measure_roofline()
-    report: dict[str, Any] = {"config": {**config.__dict__, "systems": list(config.systems)},
+    report: dict[str, Any] = {"config": asdict(config),
                               "roofline": roofline.to_dict()}
-    with tempfile.TemporaryDirectory(prefix="kvik-compare-") as tmp:
-        results = {system: run_system(config, system, Path(tmp)) for system in config.systems}
-    report["offline"] = results
-    print("\n== single-stream decode", flush=True)
-    report["decode"] = single_stream_decode(config.model)
-
     lines = [f"\nroofline: matmul {roofline.matmul_flops / 1e9:.1f} GFLOP/s, read "
              f"{roofline.read_bandwidth / 1e9:.1f} GB/s, copy {roofline.copy_bandwidth / 1e9:.1f} GB/s "
-             f"({roofline.threads} threads)", "\noffline (useful prompt+output tokens per second):"]
+             f"({roofline.threads} threads)"]
+    summary: dict[str, float] = {}
+    if config.run_offline:
+        with tempfile.TemporaryDirectory(prefix="kvik-compare-") as tmp:
+            results = {system: run_system(config, system, Path(tmp)) for system in config.systems}
+        report["offline"] = results
+        lines += offline_lines(config, shape, roofline, results, summary)
+        print("\n== single-stream decode", flush=True)
+        report["decode"] = single_stream_decode(config.model)
+        decode = report["decode"]["decode_tokens_per_second"]
+        achieved_bw = decode * shape.decode_bytes_per_token()
+        summary["decode_bandwidth_fraction"] = achieved_bw / roofline.bandwidth
+        lines.append(f"\nsingle-stream decode: {decode:.1f} tok/s = {achieved_bw / 1e9:.1f} GB/s of weights")
+        lines.append(ratio_line("decode bandwidth / measured bandwidth",
+                                100 * summary["decode_bandwidth_fraction"], 80, "%"))
+    online_config = OnlineConfig(config.model, out_dir, list(config.kvik_rates), list(config.naive_rates),
+                                 num_prompts=config.num_requests)
+    online = prefix = None
+    if config.run_online:
+        print("\n== online", flush=True)
+        online = run_online(online_config)
+        report["online"] = {label: {str(r): s for r, s in by_rate.items()} for label, by_rate in online.items()}
+        from kvik.bench.plot import plot_results
+
+        plot = plot_results(sorted(out_dir.glob("online-*.json")), out_dir / "online.png")
+        lines.append(f"\nlatency-vs-load plot: {plot}")
+    if config.run_prefix:
+        print("\n== prefix", flush=True)
+        prefix = run_prefix(online_config)
+        report["prefix"] = prefix
+    lines += summary_lines(online, prefix, config.num_requests)
+    report["summary"] = summary
+    print("\n".join(lines))
+    report["printed"] = lines
+    save(out_dir / "compare.json", report)
+    return report
+
+
+def offline_lines(config: CompareConfig, shape: ModelShape, roofline: Roofline,
+                  results: dict[str, dict[str, Any]], summary: dict[str, float]) -> list[str]:
+    lines = ["\noffline (useful prompt+output tokens per second):"]
     for system, result in results.items():
         lines.append(f"  {system:<16} {result['useful_tokens_per_second']:9.1f} tok/s   "
                      f"{result['seconds']:7.1f} s   peak RSS {result['peak_rss_bytes'] / 2**30:.2f} GiB")
-    summary: dict[str, float] = {}
     kvik = results.get("kvik")
     baselines = [r["useful_tokens_per_second"] for s, r in results.items() if s != "kvik"]
     if kvik and baselines:
@@ -122,14 +164,4 @@ def run_compare(config: CompareConfig, json_out: str | None = None) -> dict[str,
         lines.append(f"  peak RSS while generating / (weights + KV budget)"
                      f"{summary['memory_ratio']:14.2f}    target <= 1.25: "
                      f"{'meets' if summary['memory_ratio'] <= 1.25 else 'MISSES'}")
-    decode = report["decode"]["decode_tokens_per_second"]
-    achieved_bw = decode * shape.decode_bytes_per_token()
-    summary["decode_bandwidth_fraction"] = achieved_bw / roofline.bandwidth
-    lines.append(f"\nsingle-stream decode: {decode:.1f} tok/s = {achieved_bw / 1e9:.1f} GB/s of weights")
-    lines.append(ratio_line("decode bandwidth / measured bandwidth",
-                            100 * summary["decode_bandwidth_fraction"], 80, "%"))
-    report["summary"] = summary
-    print("\n".join(lines))
-    if json_out:
-        Path(json_out).write_text(json.dumps(report, indent=2))
-    return report
+    return lines

@@ -1,0 +1,262 @@
+"""`kvik bench`: benchmarks. One sub-subcommand per benchmark, each a `_register_X` plus a `run_X`:
+
+    kvik bench serve         online load generator for any OpenAI-compatible endpoint
+    kvik bench plot          latency-vs-load plots from `serve --json` results
+    kvik bench naive-server  the naive baseline server (HF generate, one request at a time)
+    kvik bench offline       the engine's offline throughput on a workload (no HTTP)
+    kvik bench compare       kvik against HF baselines and the naive server, with the roofline
+
+Registration only touches argparse; every handler imports what it needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "bench", help="benchmark a server (load generator, plots, naive baseline)",
+        description="Benchmarks: measure TTFT, TPOT, ITL, latency, throughput and goodput of any "
+                    "OpenAI-compatible server, plot them against load, and run the naive baseline.")
+    parser.set_defaults(func=lambda args: _print_help(parser))
+    bench = parser.add_subparsers(dest="bench_command", metavar="BENCHMARK")
+    _register_serve(bench)
+    _register_plot(bench)
+    _register_naive_server(bench)
+    _register_offline(bench)
+    _register_compare(bench)
+
+
+def _print_help(parser: argparse.ArgumentParser) -> int:
+    parser.print_help()
+    return 2
+
+
+# --- kvik bench serve ---------------------------------------------------------------------------------
+
+def _register_serve(bench: argparse._SubParsersAction) -> None:
+    parser = bench.add_parser(
+        "serve", help="online load generator for an OpenAI-compatible endpoint",
+        description="Send a workload to an OpenAI-compatible endpoint (kvik, the gateway, vLLM, the naive "
+                    "baseline), streaming every request, and report TTFT, TPOT, ITL, end-to-end latency, "
+                    "throughput and goodput. Requests are greedy with ignore_eos, so output lengths are "
+                    "exactly max_tokens on servers that honour it. Exits 1 if any request failed.")
+    target = parser.add_argument_group("target")
+    target.add_argument("--base-url", required=True, help="server URL, with or without /v1")
+    target.add_argument("--model", required=True, help="the `model` field of every request")
+    target.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    target.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    target.add_argument("--vocab-size", type=int, default=None,
+                        help="token-id range of random prompts (default: GET /tokenizer_info)")
+    target.add_argument("--request-timeout", type=float, default=3600.0, help="seconds per request")
+    work = parser.add_argument_group("workload")
+    work.add_argument("--workload", default="random",
+                      help="random | prefix | FILE.jsonl ({\"prompt\": ...} or {\"messages\": [...]} a line, "
+                           "optional max_tokens)")
+    work.add_argument("--num-prompts", type=int, default=64)
+    work.add_argument("--input-len-range", default="64,256", help="random: prompt tokens, LOW,HIGH")
+    lengths = work.add_mutually_exclusive_group()
+    lengths.add_argument("--output-len", default=None, help="output tokens per request (default 64)")
+    lengths.add_argument("--output-len-range", default=None, help="output tokens uniform in LOW,HIGH")
+    work.add_argument("--prefix-len", type=int, default=1024, help="prefix: shared system prompt tokens")
+    work.add_argument("--question-len", type=int, default=32, help="prefix: tokens per distinct question")
+    work.add_argument("--seed", type=int, default=0, help="seeds the workload and the arrival times")
+    load = parser.add_argument_group("load")
+    load.add_argument("--request-rate", type=float, default=float("inf"),
+                      help="Poisson arrivals, requests per second (default inf: all at once)")
+    load.add_argument("--max-concurrency", type=int, default=None,
+                      help="at most this many requests in flight (alone: a closed loop of C clients)")
+    out = parser.add_argument_group("output")
+    out.add_argument("--slo", default="ttft=2000,tpot=200",
+                     help="goodput objectives in ms (default ttft=2000,tpot=200; '' for none)")
+    out.add_argument("--json", default=None, metavar="OUT",
+                     help="write config, summary and per-request records")
+    out.add_argument("--label", default=None, help="name of this run in plots (e.g. kvik, naive)")
+    out.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(func=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kvik.bench.load import LoadConfig
+    from kvik.bench.serve_load import run_serve_benchmark, run_title, write_document
+    from kvik.bench.stats import SLO, first_errors, format_table
+    from kvik.bench.workloads import WorkloadSpec, parse_range
+
+    slo = SLO.parse(args.slo)
+    spec = WorkloadSpec(kind=args.workload, num_prompts=args.num_prompts,
+                        input_len_range=parse_range(args.input_len_range),
+                        output_len_range=parse_range(args.output_len_range or args.output_len or "64"),
+                        prefix_len=args.prefix_len, question_len=args.question_len, seed=args.seed)
+    config = LoadConfig(base_url=args.base_url, model=args.model, endpoint=args.endpoint,
+                        api_key=args.api_key, request_rate=args.request_rate,
+                        max_concurrency=args.max_concurrency, seed=args.seed,
+                        timeout_s=args.request_timeout, show_progress=not args.no_progress)
+    document = run_serve_benchmark(spec, config, slo, label=args.label, vocab_size=args.vocab_size)
+    print(format_table(document["summary"], run_title(document)))
+    for error in first_errors(r["error"] for r in document["requests"]):
+        print(f"error: {error}")
+    if args.json:
+        write_document(document, Path(args.json))
+        print(f"wrote {args.json}")
+    return 0 if document["summary"]["failed"] == 0 else 1
+
+
+# --- kvik bench plot ----------------------------------------------------------------------------------
+
+def _register_plot(bench: argparse._SubParsersAction) -> None:
+    parser = bench.add_parser(
+        "plot", help="latency-vs-load plots from `kvik bench serve --json` results",
+        description="Plot TTFT p50/p99, TPOT p50/p99, output throughput and goodput against the load, "
+                    "one line per --label, from several result files (e.g. runs at increasing rates).")
+    parser.add_argument("results", nargs="+", help="result JSON files")
+    parser.add_argument("-o", "--output", required=True, help="PNG to write")
+    parser.add_argument("--x", default="request_rate",
+                        help="config or summary field on the x axis (default request_rate; e.g. "
+                             "max_concurrency, request_throughput)")
+    parser.set_defaults(func=run_plot)
+
+
+def run_plot(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kvik.bench.plot import plot_results
+
+    path = plot_results([Path(p) for p in args.results], Path(args.output), x=args.x)
+    print(f"wrote {path}")
+    return 0
+
+
+# --- kvik bench naive-server --------------------------------------------------------------------------
+
+def _register_naive_server(bench: argparse._SubParsersAction) -> None:
+    from kvik.bench.naive_server import add_arguments
+
+    parser = bench.add_parser(
+        "naive-server", help="the naive baseline: FastAPI over HF generate, one request at a time",
+        description="Serve a model with HF transformers `generate` behind FastAPI, one request at a time "
+                    "(/v1/completions, /health): the baseline kvik's online figures are compared with.")
+    add_arguments(parser)
+    parser.set_defaults(func=run_naive_server)
+
+
+def run_naive_server(args: argparse.Namespace) -> int:
+    from kvik.bench.naive_server import serve
+
+    return serve(args)
+
+
+# --- kvik bench offline / compare ------------------------------------------------------------------------
+
+def reference_model_path() -> str:
+    """The fixed benchmark model (Llama-shaped, ~125M parameters, random weights), written once."""
+    from kvik.cli.demo_model import cache_dir
+
+    target = cache_dir() / "bench-llama-125m"
+    if not (target / "config.json").is_file():
+        from kvik.model.make_model import make_model
+
+        print(f"writing the reference benchmark model to {target} ...", flush=True)
+        make_model(target, "llama", "bench")
+    return str(target)
+
+
+def _add_workload_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="model directory (default: the 125M reference model, written on first use)")
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--input-len-range", default="64,512", help="prompt tokens, LOW,HIGH")
+    parser.add_argument("--output-len-range", default="16,256", help="output tokens, LOW,HIGH")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kv-cache-memory", default="3GiB", help="kvik's KV cache budget")
+
+
+def _register_offline(bench: argparse._SubParsersAction) -> None:
+    parser = bench.add_parser(
+        "offline", help="offline engine throughput (no HTTP)",
+        description="Run the offline workload (random token prompts, per-request output lengths, greedy, "
+                    "EOS ignored) through kvik's engine and report useful tokens per second.")
+    _add_workload_args(parser)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--json", default=None, metavar="OUT", help="write the result")
+    parser.set_defaults(func=run_offline)
+
+
+def run_offline(args: argparse.Namespace) -> int:
+    from kvik.bench.offline import main as offline_main
+
+    engine_args = {"max_num_seqs": args.max_num_seqs}
+    if args.max_num_batched_tokens:
+        engine_args["max_num_batched_tokens"] = args.max_num_batched_tokens
+    engine_args["kv_cache_memory"] = _bytes(args.kv_cache_memory)
+    import json
+    import tempfile
+    from pathlib import Path
+
+    out = args.json or str(Path(tempfile.mkdtemp()) / "offline.json")
+    offline_main(["--system", "kvik", "--model", args.model or reference_model_path(),
+                  "--num-requests", str(args.num_requests), "--input-len-range", args.input_len_range,
+                  "--output-len-range", args.output_len_range, "--seed", str(args.seed),
+                  "--engine-args", json.dumps(engine_args), "--json", out])
+    result = json.loads(Path(out).read_text())
+    print(f"kvik offline: {result['prompt_tokens']} prompt + {result['output_tokens']} output tokens in "
+          f"{result['seconds']:.1f} s = {result['useful_tokens_per_second']:.1f} useful tok/s "
+          f"({result['output_tokens_per_second']:.1f} output tok/s); peak RSS "
+          f"{result['peak_rss_bytes'] / 2**30:.2f} GiB")
+    return 0
+
+
+def _register_compare(bench: argparse._SubParsersAction) -> None:
+    parser = bench.add_parser(
+        "compare", help="kvik vs HF baselines and the naive server, with roofline fractions",
+        description="Run kvik and its baselines on the same model and prompts in one invocation: offline "
+                    "(kvik, HF static batching, HF sequential), single-stream decode against memory "
+                    "bandwidth, online Poisson load against the naive server, and the prefix workload "
+                    "with caching on and off. Prints ratios against the targets and writes JSON + a plot.")
+    _configure_compare_parser(parser)
+    parser.set_defaults(func=run_compare_command)
+
+
+def _configure_compare_parser(parser: argparse.ArgumentParser) -> None:
+    _add_workload_args(parser)
+    parser.add_argument("--systems", default="kvik,hf-static,hf-sequential",
+                        help="offline systems to run (comma-separated)")
+    parser.add_argument("--skip", default="", help="parts to skip: offline,online,prefix")
+    parser.add_argument("--kvik-rates", default="0.25,0.5,1,2,4", help="online request rates for kvik")
+    parser.add_argument("--naive-rates", default="0.25,0.5", help="online request rates for the naive server")
+    parser.add_argument("--out", default="bench-results", help="directory for JSON results and plots")
+
+
+def run_compare_command(args: argparse.Namespace) -> int:
+    from kvik.bench.compare import CompareConfig, run_compare
+
+    skip = {part.strip() for part in args.skip.split(",") if part.strip()}
+    low_in, high_in = (int(x) for x in args.input_len_range.split(","))
+    low_out, high_out = (int(x) for x in args.output_len_range.split(","))
+    config = CompareConfig(
+        model=args.model or reference_model_path(), num_requests=args.num_requests,
+        input_len_range=(low_in, high_in), output_len_range=(low_out, high_out), seed=args.seed,
+        kv_cache_memory=_bytes(args.kv_cache_memory),
+        systems=tuple(s.strip() for s in args.systems.split(",") if s.strip()),
+        run_offline="offline" not in skip, run_online="online" not in skip, run_prefix="prefix" not in skip,
+        out_dir=args.out, kvik_rates=tuple(float(r) for r in args.kvik_rates.split(",")),
+        naive_rates=tuple(float(r) for r in args.naive_rates.split(",")))
+    run_compare(config)
+    return 0
+
+
+def compare_main(argv: list[str]) -> int:
+    """Entry point of bench/compare_baselines.py (the same as `kvik bench compare`)."""
+    parser = argparse.ArgumentParser(prog="compare_baselines.py",
+                                     description="kvik against its baselines, in one run.")
+    _configure_compare_parser(parser)
+    return run_compare_command(parser.parse_args(argv))
+
+
+def _bytes(text: str) -> int:
+    from kvik.core.config import parse_bytes
+
+    return parse_bytes(text)
