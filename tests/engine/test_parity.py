@@ -67,6 +67,16 @@ def test_batched_greedy_matches_hf(arch_case):
     assert all(o.outputs[0].finish_reason == "length" for o in outputs)
 
 
+def test_pytorch_attention_path_matches_hf(arch_case):
+    """The same batch with the compiled CPU decode kernel switched off."""
+    _, path, _, prompts, reference = arch_case
+    llm = LLM(str(path), show_progress=False)
+    for attention in llm.engine.model.attention_layers():
+        attention.decode_kernel = None
+    llm.engine.runner.uses_cpu_kernel = False
+    assert_matches(llm.generate(prompts, greedy()), reference)
+
+
 def test_chunked_prefill_matches_hf(arch_case):
     _, path, _, prompts, reference = arch_case
     # A 7-token budget splits every longer prompt across several steps, mixed with decodes.

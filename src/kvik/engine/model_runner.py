@@ -37,7 +37,8 @@ class RunnerOutput:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, kv: KVCacheManager, *, num_layers: int, num_kv_heads: int,
-                 head_dim: int, device: torch.device, dtype: torch.dtype) -> None:
+                 head_dim: int, device: torch.device, dtype: torch.dtype,
+                 use_cpu_kernels: bool = True) -> None:
         self.model = model
         self.kv = kv
         self.block_size = kv.block_size
@@ -48,8 +49,15 @@ class ModelRunner:
         # Zeroed so that padding slots read by the batched gather are finite (masked afterwards).
         self.kv_cache = torch.zeros(num_layers, 2, num_kv_heads, num_blocks, self.block_size, head_dim,
                                     device=device, dtype=dtype)
+        kernel = None
+        if use_cpu_kernels and device.type == "cpu" and dtype == torch.float32:
+            from kvik.model.layers.cpu_kernels import cpu_attention_kernels
+
+            kernel = cpu_attention_kernels()
+        self.uses_cpu_kernel = kernel is not None
         for layer_index, attention in enumerate(model.attention_layers()):
             attention.kv_cache = self.kv_cache[layer_index]
+            attention.decode_kernel = kernel
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -134,7 +142,9 @@ class ModelRunner:
             meta.decode_block_tables = torch.tensor(padded, dtype=torch.long, device=device)
             key_positions = torch.arange(width * size, device=device)
             seq_lens = torch.tensor(lengths, device=device)
-            meta.decode_mask = (key_positions[None, :] < seq_lens[:, None])[:, None, None, :]
+            meta.decode_seq_lens = seq_lens
+            if not self.uses_cpu_kernel:
+                meta.decode_mask = (key_positions[None, :] < seq_lens[:, None])[:, None, None, :]
         offset = len(decodes)
         for chunk in prefills:
             span = PrefillSpan(offset, chunk.num_new_tokens, chunk.start, None, None)

@@ -41,6 +41,7 @@ class AttentionMetadata:
     num_decodes: int = 0  # the first num_decodes tokens are one-token decodes, one per sequence
     decode_block_tables: torch.Tensor | None = None  # (num_decodes, max_blocks) long
     decode_mask: torch.Tensor | None = None  # (num_decodes, 1, 1, max_blocks * block_size) bool
+    decode_seq_lens: torch.Tensor | None = None  # (num_decodes,) long: tokens each decode attends
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
@@ -55,6 +56,8 @@ class PagedAttention(nn.Module):
         # Bound by the model runner after it allocates the cache; not a parameter or buffer, so it
         # never appears in state dicts.
         self.kv_cache: torch.Tensor | None = None
+        # The compiled CPU decode kernel (kvik.model.layers.cpu_kernels) when the runner enables it.
+        self.decode_kernel: object | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -68,7 +71,13 @@ class PagedAttention(nn.Module):
 
         out = q.new_empty(num_tokens, self.num_heads, self.head_dim)
         num_decodes = meta.num_decodes
-        if num_decodes:
+        if num_decodes and self.decode_kernel is not None:
+            attended = torch.empty(num_decodes, self.num_heads, self.head_dim, dtype=q.dtype)
+            self.decode_kernel.decode_attention(q[:num_decodes].contiguous(), k_cache, v_cache,
+                                                meta.decode_block_tables, meta.decode_seq_lens,
+                                                self.scale, attended)
+            out[:num_decodes] = attended
+        elif num_decodes:
             keys = self._gather(k_cache, meta.decode_block_tables)  # (B, Hkv, L, D)
             values = self._gather(v_cache, meta.decode_block_tables)
             query = q[:num_decodes].unsqueeze(2)  # (B, H, 1, D)
