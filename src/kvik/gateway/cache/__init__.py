@@ -1,0 +1,1 @@
+"""Response cache for deterministic requests: memory or Redis behind `ResponseCache`."""

@@ -1,0 +1,280 @@
+"""Gateway configuration: the YAML file parsed into frozen pydantic models, validated once.
+
+Every error is a `ConfigError` whose message starts with the dotted path of the offending field
+(`models[0].replicas[1].url: ...`), so `kvik gateway check-config` can point at the line to fix.
+Secrets may be given as `env:VAR` and are resolved at load time; a missing variable is an error
+that names the field, not a silent empty string.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlparse
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from kvik.core.errors import ConfigError
+
+BALANCING_STRATEGIES = ("least_outstanding", "weighted_round_robin", "prefix_affinity")
+
+
+class _Section(BaseModel):
+    # Unknown keys are errors: a typo such as `balancng:` must not silently fall back to a default.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ReplicaConfig(_Section):
+    url: str
+    weight: float = Field(default=1.0, gt=0)
+    api_key: str | None = None  # sent upstream as a bearer token; `env:VAR` reads the environment
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, value: str) -> str:
+        parsed = urlparse(value)
+        if parsed.scheme not in ("http", "https") or not parsed.netloc:
+            raise ValueError(f"{value!r} is not an http(s) URL such as http://127.0.0.1:8001")
+        # Stored without a trailing slash or /v1 so paths join the same way for every replica.
+        value = value.rstrip("/")
+        return value[: -len("/v1")] if value.endswith("/v1") else value
+
+
+class PrefixAffinityConfig(_Section):
+    # The affine replica is skipped when it has more than `busy_factor` x the least-loaded replica's
+    # outstanding requests plus `busy_slack`: a warm prefix cache is not worth a long queue.
+    busy_factor: float = Field(default=2.0, ge=1)
+    busy_slack: int = Field(default=4, ge=0)
+    # Completions prompts have no turns; their first `prompt_prefix_chars` characters are the prefix.
+    prompt_prefix_chars: int = Field(default=256, ge=1)
+
+
+class ModelConfig(_Section):
+    name: str = Field(min_length=1)
+    aliases: list[str] = []
+    upstream_model: str | None = None  # the name the replicas know the model by (default: name)
+    balancing: Literal["least_outstanding", "weighted_round_robin", "prefix_affinity"] = (
+        "least_outstanding")
+    prefix_affinity: PrefixAffinityConfig = Field(default_factory=PrefixAffinityConfig)
+    replicas: list[ReplicaConfig] = Field(min_length=1)
+
+
+class AuthConfig(_Section):
+    enabled: bool = True
+    # Optional key accepted with the admin role without a database row (`env:VAR` recommended), so a
+    # fresh deployment can create its first keys over the admin API.
+    admin_key: str | None = None
+    # Seconds a looked-up key stays in the per-process cache; revocation through another instance
+    # takes effect after at most this long.
+    key_cache_ttl_s: float = Field(default=5.0, ge=0)
+
+
+class HealthConfig(_Section):
+    interval_s: float = Field(default=5.0, gt=0)
+    timeout_s: float = Field(default=2.0, gt=0)
+    path: str = "/health"
+    unhealthy_after: int = Field(default=2, ge=1)  # consecutive failed probes before a replica is marked down
+    healthy_after: int = Field(default=1, ge=1)  # consecutive good probes before it is marked up again
+
+
+class BreakerConfig(_Section):
+    # The classic (Hystrix) settings: the breaker trips when, within `window_s`, at least
+    # `volume_threshold` requests were seen and `error_threshold_percent` of them failed.
+    volume_threshold: int = Field(default=20, ge=1)
+    error_threshold_percent: float = Field(default=50.0, gt=0, le=100)
+    window_s: float = Field(default=10.0, gt=0)
+    sleep_window_s: float = Field(default=5.0, gt=0)
+    half_open_probes: int = Field(default=1, ge=1)  # trial requests let through after the sleep window
+    # Passive ejection: this many consecutive connect errors or 5xx trip the breaker at once, without
+    # waiting for the volume threshold (a dead process should not cost 20 failed attempts).
+    consecutive_failures: int = Field(default=5, ge=1)
+
+
+class RetryConfig(_Section):
+    max_attempts: int = Field(default=3, ge=1)  # attempts per request, each on a different replica
+    # Retry budget: retries over the last 10 s may not exceed this fraction of requests (plus a
+    # floor), so a struggling fleet is not hit with a retry storm.
+    budget_ratio: float = Field(default=0.2, ge=0)
+    min_retries_per_s: float = Field(default=10.0, ge=0)
+
+
+class TimeoutConfig(_Section):
+    connect_s: float = Field(default=2.0, gt=0)
+    # Longest silence between two bytes of an answer; for a non-streaming request that is the whole
+    # generation, since nothing arrives before it is done.
+    read_s: float = Field(default=300.0, gt=0)
+
+
+class CacheConfig(_Section):
+    enabled: bool = True
+    backend: Literal["auto", "memory", "redis"] = "auto"  # auto: redis when redis_url is set
+    ttl_s: float = Field(default=300.0, gt=0)
+    max_entries: int = Field(default=10_000, ge=1)  # memory backend
+    max_bytes: int = Field(default=64 * 1024 * 1024, ge=1)  # memory backend, sum of entry sizes
+    max_entry_bytes: int = Field(default=1024 * 1024, ge=1)  # larger responses are not stored
+
+
+class PiiPattern(_Section):
+    name: str = Field(pattern=r"^[A-Za-z][A-Za-z0-9_]*$")
+    regex: str
+
+    @field_validator("regex")
+    @classmethod
+    def _compiles(cls, value: str) -> str:
+        try:
+            re.compile(value)
+        except re.error as exc:
+            raise ValueError(f"not a valid regular expression: {exc}") from None
+        return value
+
+
+class PiiConfig(_Section):
+    enabled: bool = False
+    entities: list[Literal["email", "phone", "card", "national_id"]] = [
+        "email", "phone", "card", "national_id"]
+    patterns: list[PiiPattern] = []  # extra patterns, replaced by [NAME]
+
+
+class ModerationConfig(_Section):
+    hook: str | None = None  # "package.module:function", see guardrails/moderation.py
+    timeout_s: float = Field(default=5.0, gt=0)
+    # What a hook that raises or times out means: block (default; a broken filter must not silently
+    # let everything through) or allow.
+    fail_open: bool = False
+
+    @field_validator("hook")
+    @classmethod
+    def _importable(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        module_name, _, function_name = value.partition(":")
+        if not module_name or not function_name:
+            raise ValueError(f"{value!r} must look like 'package.module:function'")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise ValueError(f"cannot import {module_name!r}: {exc}") from None
+        if not callable(getattr(module, function_name, None)):
+            raise ValueError(f"{module_name!r} has no callable {function_name!r}")
+        return value
+
+
+class GuardrailsConfig(_Section):
+    pii: PiiConfig = Field(default_factory=PiiConfig)
+    moderation: ModerationConfig = Field(default_factory=ModerationConfig)
+
+
+class LimitsConfig(_Section):
+    # Applied to keys that have no limit of their own; null means unlimited.
+    default_rpm: int | None = Field(default=None, ge=1)
+    default_tpm: int | None = Field(default=None, ge=1)
+    max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+
+
+class GatewayConfig(_Section):
+    models: list[ModelConfig] = Field(min_length=1)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
+    database_url: str = "sqlite:///gateway.db"  # relative paths are relative to the config file
+    redis_url: str | None = None
+    health: HealthConfig = Field(default_factory=HealthConfig)
+    breaker: BreakerConfig = Field(default_factory=BreakerConfig)
+    retries: RetryConfig = Field(default_factory=RetryConfig)
+    timeouts: TimeoutConfig = Field(default_factory=TimeoutConfig)
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    guardrails: GuardrailsConfig = Field(default_factory=GuardrailsConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    host: str = "127.0.0.1"
+    port: int = Field(default=8080, ge=1, le=65535)
+
+    @field_validator("database_url")
+    @classmethod
+    def _check_database_url(cls, value: str) -> str:
+        if not value.startswith(("sqlite:///", "postgresql://", "postgres://")):
+            raise ValueError(f"{value!r}: use sqlite:///PATH or postgresql://USER@HOST:PORT/DB")
+        return value
+
+    @field_validator("redis_url")
+    @classmethod
+    def _check_redis_url(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"{value!r}: use redis://HOST:PORT/DB")
+        return value
+
+    @model_validator(mode="after")
+    def _names_unique(self) -> GatewayConfig:
+        seen: dict[str, str] = {}
+        for index, model in enumerate(self.models):
+            for offset, name in enumerate([model.name, *model.aliases]):
+                where = f"models[{index}].name" if offset == 0 else f"models[{index}].aliases[{offset - 1}]"
+                if name in seen:
+                    raise ValueError(f"{where}: {name!r} is already used by {seen[name]}")
+                seen[name] = where
+        if self.cache.backend == "redis" and self.redis_url is None:
+            raise ValueError("cache.backend: 'redis' needs redis_url")
+        return self
+
+
+def load_config(path: str | os.PathLike[str], *, overrides: dict[str, Any] | None = None) -> GatewayConfig:
+    """Read, validate and resolve a gateway YAML file; raise `ConfigError` naming the bad field."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping with at least `models:`")
+    raw.update(overrides or {})
+    return parse_config(raw, base_dir=path.parent)
+
+
+def parse_config(raw: dict[str, Any], *, base_dir: Path | None = None) -> GatewayConfig:
+    """Validate a config mapping (as read from YAML); `env:VAR` secrets are resolved here."""
+    try:
+        config = GatewayConfig.model_validate(_resolve_env(raw, ""))
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(exc)) from None
+    if base_dir is not None and config.database_url.startswith("sqlite:///"):
+        db_path = Path(config.database_url[len("sqlite:///"):])
+        if not db_path.is_absolute() and str(db_path) != ":memory:":
+            config = config.model_copy(update={"database_url": f"sqlite:///{(base_dir / db_path).resolve()}"})
+    return config
+
+
+_SECRET_FIELDS = ("api_key", "admin_key", "database_url", "redis_url")
+
+
+def _resolve_env(node: Any, where: str) -> Any:
+    """Replace `env:VAR` in secret-bearing fields by the variable's value."""
+    if isinstance(node, dict):
+        out = {}
+        for key, value in node.items():
+            field = f"{where}.{key}" if where else str(key)
+            if key in _SECRET_FIELDS and isinstance(value, str) and value.startswith("env:"):
+                var = value[len("env:"):]
+                if var not in os.environ:
+                    raise ConfigError(f"{field}: environment variable {var} is not set")
+                value = os.environ[var]
+            out[key] = _resolve_env(value, field)
+        return out
+    if isinstance(node, list):
+        return [_resolve_env(item, f"{where}[{i}]") for i, item in enumerate(node)]
+    return node
+
+
+def _format_validation_error(exc: ValidationError) -> str:
+    lines = []
+    for error in exc.errors():
+        path = ""
+        for part in error["loc"]:
+            path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+        message = error["msg"].removeprefix("Value error, ")
+        if error["type"] == "extra_forbidden":
+            message = "unknown field (check the spelling)"
+        lines.append(f"{path}: {message}" if path else message)
+    return "; ".join(lines)

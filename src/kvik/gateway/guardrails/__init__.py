@@ -1,0 +1,1 @@
+"""Guardrails applied to requests before they leave the gateway: PII redaction and moderation."""

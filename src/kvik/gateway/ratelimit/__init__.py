@@ -1,0 +1,1 @@
+"""Per-key rate limits over pluggable counters (memory or Redis)."""

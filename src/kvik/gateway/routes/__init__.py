@@ -1,0 +1,1 @@
+"""HTTP routes: thin handlers; the logic lives in `serving` and the stores."""

@@ -1,0 +1,104 @@
+"""The admin API: keys, usage and replica state. Every route needs a key with the admin role."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from kvik.core.errors import InvalidRequestError
+from kvik.gateway.state import GatewayState
+from kvik.gateway.usage import aggregate_usage
+
+router = APIRouter(prefix="/admin")
+
+
+class KeyCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    role: str = "user"
+    models: list[str] | None = None
+    rpm: int | None = None
+    tpm: int | None = None
+    token_budget: int | None = None
+
+
+async def _admin(request: Request) -> GatewayState:
+    state: GatewayState = request.app.state.gateway
+    await state.auth.authenticate_admin(request.headers.get("authorization"))
+    return state
+
+
+@router.post("/keys")
+async def create_key(request: Request) -> Response:
+    state = await _admin(request)
+    try:
+        spec = KeyCreate.model_validate_json(await request.body())
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        param = ".".join(str(part) for part in error["loc"]) or None
+        raise InvalidRequestError(f"{param}: {error['msg']}" if param else error["msg"], param=param) from None
+    new = await asyncio.to_thread(state.keys.create, spec.name, role=spec.role, models=spec.models,
+                                  rpm=spec.rpm, tpm=spec.tpm, token_budget=spec.token_budget)
+    # The secret appears in this response and nowhere else, ever.
+    return JSONResponse({**new.key.to_public_dict(), "key": new.secret}, status_code=201)
+
+
+@router.get("/keys")
+async def list_keys(request: Request) -> Response:
+    state = await _admin(request)
+    include_revoked = request.query_params.get("include_revoked", "false").lower() in ("1", "true", "yes")
+    keys = await asyncio.to_thread(state.keys.list, include_revoked=include_revoked)
+    return JSONResponse({"object": "list", "data": [key.to_public_dict() for key in keys]})
+
+
+@router.get("/keys/{key_id}")
+async def get_key(request: Request, key_id: str) -> Response:
+    state = await _admin(request)
+    key = await asyncio.to_thread(state.keys.get, key_id)
+    return JSONResponse(key.to_public_dict())
+
+
+@router.delete("/keys/{key_id}")
+async def revoke_key(request: Request, key_id: str) -> Response:
+    state = await _admin(request)
+    key = await asyncio.to_thread(state.keys.revoke, key_id)
+    state.auth.forget(key_id)
+    return JSONResponse(key.to_public_dict())
+
+
+@router.get("/usage")
+async def usage(request: Request) -> Response:
+    """Aggregates per key and model (`group_by=key,model,replica,status` to choose), optionally
+    within `since`/`until` (unix seconds) and for one `key_id`."""
+    state = await _admin(request)
+    query = request.query_params
+    group_by = [g.strip() for g in query.get("group_by", "key,model").split(",") if g.strip()]
+    await state.usage.flush()  # include the rows still queued, so the answer is current
+    rows = await asyncio.to_thread(aggregate_usage, state.db, group_by=group_by,
+                                   since=_float(query, "since"), until=_float(query, "until"),
+                                   key_id=query.get("key_id"))
+    return JSONResponse({"object": "list", "group_by": group_by, "data": rows})
+
+
+@router.get("/replicas")
+async def replicas(request: Request) -> Response:
+    state = await _admin(request)
+    data = [{"model": r.model, "url": r.url, "weight": r.weight, "healthy": r.healthy,
+             "breaker": r.breaker.state.name.lower(), "outstanding": r.outstanding}
+            for r in state.router.all_replicas()]
+    return JSONResponse({"object": "list", "data": data})
+
+
+def _float(query: Any, name: str) -> float | None:
+    value = query.get(name)
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise InvalidRequestError(f"{name}: give unix seconds, got {value!r}", param=name) from None

@@ -1,0 +1,41 @@
+"""The OpenAI-compatible endpoints clients call."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from kvik.gateway.serving import CHAT, COMPLETIONS, ProxyService
+from kvik.gateway.state import GatewayState
+
+router = APIRouter()
+_STARTED = int(time.time())
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    service: ProxyService = request.app.state.service
+    return await service.handle(request, CHAT)
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    service: ProxyService = request.app.state.service
+    return await service.handle(request, COMPLETIONS)
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> Response:
+    """The models this gateway serves and the caller's key may use; aliases are listed on each."""
+    state: GatewayState = request.app.state.gateway
+    principal = await state.auth.authenticate(request.headers.get("authorization"))
+    data = []
+    for pool in state.router.pools:
+        if principal.key is not None and not principal.key.allows_model(pool.name):
+            continue
+        data.append({"id": pool.name, "object": "model", "created": _STARTED, "owned_by": "kvik",
+                     "aliases": list(pool.config.aliases),
+                     "healthy_replicas": sum(1 for r in pool.replicas if r.is_available())})
+    return JSONResponse({"object": "list", "data": data})

@@ -1,0 +1,109 @@
+"""Everything one gateway process holds, built from the config at start-up and closed at shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from kvik.core.errors import ConfigError
+from kvik.gateway.auth import Authenticator
+from kvik.gateway.cache.backend import ResponseCache
+from kvik.gateway.cache.memory import MemoryCache
+from kvik.gateway.cache.redis import RedisCache
+from kvik.gateway.config import GatewayConfig
+from kvik.gateway.guardrails.moderation import ModerationHook
+from kvik.gateway.guardrails.pii import PiiRedactor
+from kvik.gateway.health import HealthProber
+from kvik.gateway.keys import KeyStore
+from kvik.gateway.metrics import GatewayMetrics
+from kvik.gateway.proxy import UpstreamProxy
+from kvik.gateway.ratelimit.backend import CounterBackend
+from kvik.gateway.ratelimit.limiter import RateLimiter
+from kvik.gateway.ratelimit.memory import MemoryCounters
+from kvik.gateway.ratelimit.redis import RedisCounters
+from kvik.gateway.retry_budget import RetryBudget
+from kvik.gateway.router import ModelRouter
+from kvik.gateway.storage.database import Database, open_database
+from kvik.gateway.usage import UsageRecorder
+
+
+@dataclass(slots=True)
+class GatewayState:
+    config: GatewayConfig
+    metrics: GatewayMetrics
+    router: ModelRouter
+    client: httpx.AsyncClient
+    db: Database
+    keys: KeyStore
+    auth: Authenticator
+    limiter: RateLimiter
+    cache: ResponseCache | None
+    redactor: PiiRedactor | None
+    moderation: ModerationHook | None
+    usage: UsageRecorder
+    prober: HealthProber
+    proxy: UpstreamProxy
+    redis: Any | None  # redis.asyncio.Redis shared by the limiter and the cache
+
+    @classmethod
+    async def start(cls, config: GatewayConfig) -> GatewayState:
+        metrics = GatewayMetrics()
+        router = ModelRouter(config, metrics.on_breaker_transition)
+        redis = await _connect_redis(config.redis_url) if config.redis_url else None
+        db = await asyncio.to_thread(open_database, config.database_url)
+        keys = KeyStore(db)
+        # No pool cap: the replicas, not the gateway, decide how much concurrency they take.
+        client = httpx.AsyncClient(
+            timeout=httpx.Timeout(config.timeouts.read_s, connect=config.timeouts.connect_s),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=1024),
+            follow_redirects=False, trust_env=False)
+        counters: CounterBackend = RedisCounters(redis) if redis is not None else MemoryCounters()
+        guardrails = config.guardrails
+        state = cls(
+            config=config, metrics=metrics, router=router, client=client, db=db, keys=keys,
+            auth=Authenticator(config.auth, keys),
+            limiter=RateLimiter(counters, config.limits, metrics),
+            cache=_make_cache(config, redis),
+            redactor=PiiRedactor(guardrails.pii) if guardrails.pii.enabled else None,
+            moderation=ModerationHook(guardrails.moderation) if guardrails.moderation.hook else None,
+            usage=UsageRecorder(db, keys),
+            prober=HealthProber(router.all_replicas(), config.health, client),
+            proxy=UpstreamProxy(client, config.retries.max_attempts, RetryBudget(config.retries), metrics),
+            redis=redis,
+        )
+        state.usage.start()
+        state.prober.start()
+        return state
+
+    async def close(self) -> None:
+        await self.prober.stop()
+        await self.usage.stop()
+        await self.client.aclose()
+        if self.redis is not None:
+            await self.redis.aclose()
+        await asyncio.to_thread(self.db.close)
+
+
+def _make_cache(config: GatewayConfig, redis: Any | None) -> ResponseCache | None:
+    if not config.cache.enabled:
+        return None
+    if config.cache.backend == "memory" or redis is None:
+        return MemoryCache(config.cache)
+    return RedisCache(redis, config.cache)
+
+
+async def _connect_redis(url: str) -> Any:
+    try:
+        import redis.asyncio as redis_asyncio
+    except ImportError:
+        raise ConfigError("redis_url: Redis needs the redis package; pip install 'kvik[gateway]'") from None
+    client = redis_asyncio.from_url(url, socket_connect_timeout=5, socket_timeout=5)
+    try:
+        await client.ping()
+    except Exception as exc:
+        await client.aclose()
+        raise ConfigError(f"redis_url: cannot reach Redis at {url}: {exc}") from None
+    return client

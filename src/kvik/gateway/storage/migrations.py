@@ -1,0 +1,81 @@
+"""Versioned schema migrations, applied in order at start-up, each at most once per database.
+
+Append new migrations at the end with the next version number; never edit an applied one. Column
+types differ between SQLite and PostgreSQL only where the engines disagree (`{pk}`, `{real}`).
+"""
+
+from __future__ import annotations
+
+import time
+
+from kvik.gateway.storage.database import Database
+
+TYPES = {
+    "sqlite": {"pk": "INTEGER PRIMARY KEY AUTOINCREMENT", "real": "REAL", "bigint": "INTEGER"},
+    "postgresql": {"pk": "BIGSERIAL PRIMARY KEY", "real": "DOUBLE PRECISION", "bigint": "BIGINT"},
+}
+
+# (version, description, statements)
+MIGRATIONS: list[tuple[int, str, list[str]]] = [
+    (1, "api keys", [
+        """CREATE TABLE api_keys (
+            id TEXT PRIMARY KEY,
+            name TEXT NOT NULL,
+            key_hash TEXT NOT NULL UNIQUE,      -- sha256 hex of the secret; the secret is never stored
+            key_prefix TEXT NOT NULL,           -- first characters of the secret, to recognise it in lists
+            role TEXT NOT NULL,                 -- 'admin' or 'user'
+            models TEXT,                        -- JSON list of allowed model names; NULL: all models
+            rpm INTEGER,
+            tpm INTEGER,
+            token_budget {bigint},              -- lifetime prompt+completion tokens; NULL: unlimited
+            tokens_used {bigint} NOT NULL DEFAULT 0,
+            created_at {real} NOT NULL,         -- unix seconds
+            revoked_at {real}
+        )""",
+    ]),
+    (2, "usage and audit rows", [
+        """CREATE TABLE usage_records (
+            id {pk},
+            created_at {real} NOT NULL,         -- unix seconds when the request arrived
+            request_id TEXT NOT NULL,
+            key_id TEXT,                        -- NULL when auth is disabled
+            model TEXT NOT NULL,
+            replica TEXT,                       -- NULL when no replica answered (cache hit, rejected)
+            endpoint TEXT NOT NULL,
+            stream INTEGER NOT NULL,
+            cached INTEGER NOT NULL,
+            status INTEGER NOT NULL,
+            prompt_tokens INTEGER NOT NULL,
+            completion_tokens INTEGER NOT NULL,
+            latency_ms {real} NOT NULL,
+            attempts INTEGER NOT NULL
+        )""",
+        "CREATE INDEX usage_records_created ON usage_records (created_at)",
+        "CREATE INDEX usage_records_key ON usage_records (key_id, created_at)",
+    ]),
+]
+
+
+def migrate(db: Database) -> list[int]:
+    """Apply pending migrations; return the versions applied now."""
+    types = TYPES[db.dialect]
+    applied_now = []
+    with db.transaction():
+        db.execute(f"CREATE TABLE IF NOT EXISTS kvik_schema_migrations (version INTEGER PRIMARY KEY, "
+                   f"description TEXT NOT NULL, applied_at {types['real']} NOT NULL)")
+        # Read inside the transaction: a concurrent migrator may have finished while we waited.
+        done = {row["version"] for row in db.fetchall("SELECT version FROM kvik_schema_migrations")}
+        for version, description, statements in MIGRATIONS:
+            if version in done:
+                continue
+            for statement in statements:
+                db.execute(statement.format(**types))
+            db.execute("INSERT INTO kvik_schema_migrations (version, description, applied_at) VALUES (?, ?, ?)",
+                       (version, description, time.time()))
+            applied_now.append(version)
+    return applied_now
+
+
+def schema_version(db: Database) -> int:
+    row = db.fetchone("SELECT MAX(version) AS version FROM kvik_schema_migrations")
+    return int(row["version"] or 0) if row else 0

@@ -1,0 +1,288 @@
+"""Real processes on 127.0.0.1 for the gateway tests (the fixtures in conftest.py build on these).
+
+- `ServerProcess`: any HTTP server started as a subprocess, ready once its health path answers 200.
+- `Upstream`: one replica. `upstream_command(port, name)` runs the fake OpenAI-compatible upstream
+  (`fake_upstream.py`) unless KVIK_GATEWAY_TEST_UPSTREAM is `kvik-serve:MODEL_DIR`, which swaps in
+  `kvik serve --model MODEL_DIR --port P` (KVIK_GATEWAY_TEST_UPSTREAM_MODEL names the model it
+  serves); tests that need the fake's `/_received`, `/_control` or token arithmetic call
+  `require_fake()` and are skipped then.
+- `Gateway`, `GatewayFactory`: write a config YAML and run `kvik gateway --config FILE --port P`.
+- `PostgresCluster`: a private PostgreSQL (initdb + pg_ctl) in a temp dir on a free port.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+KVIK = [sys.executable, "-m", "kvik.cli.main"]
+ADMIN_KEY = "kvik-test-admin-secret"
+UPSTREAM_ENV = os.environ.get("KVIK_GATEWAY_TEST_UPSTREAM", "fake")
+FAKE = not UPSTREAM_ENV.startswith("kvik-serve:")
+# The model name the replicas serve (the fake answers to any name).
+UPSTREAM_MODEL = os.environ.get("KVIK_GATEWAY_TEST_UPSTREAM_MODEL", "tiny")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def require_fake() -> None:
+    """For tests that read the fake's `/_received`, drive its `/_control`, or count on its exact
+    token accounting (prompt words + max_tokens)."""
+    if not FAKE:
+        pytest.skip("needs the fake upstream (KVIK_GATEWAY_TEST_UPSTREAM is set)")
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 15.0, interval: float = 0.1) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout} s")
+        time.sleep(interval)
+
+
+def missing_service(reason: str) -> None:
+    if os.environ.get("KVIK_TEST_REQUIRE_SERVICES") == "1":
+        pytest.fail(f"{reason} (KVIK_TEST_REQUIRE_SERVICES=1)")
+    pytest.skip(reason)
+
+
+class ServerProcess:
+    """A server subprocess with its output in a log file; `start` waits until it answers."""
+
+    def __init__(self, argv: list[str], port: int, log_path: Path, *, env: dict[str, str] | None = None,
+                 health_path: str = "/health") -> None:
+        self.argv, self.port, self.log_path = argv, port, log_path
+        self.env = {**os.environ, **(env or {})}
+        self.health_path = health_path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 60.0) -> ServerProcess:
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=REPO)
+        log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.argv} exited with {self.proc.returncode}:\n{self.log_tail()}")
+            if self.ready():
+                return self
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"{self.argv} did not become ready in {timeout} s:\n{self.log_tail()}")
+
+    def ready(self) -> bool:
+        try:
+            return httpx.get(self.url + self.health_path, timeout=1.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def log_tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+
+def upstream_command(port: int, name: str) -> list[str]:
+    """The command line of one replica; the single place to swap the fake for `kvik serve`."""
+    if FAKE:
+        return [sys.executable, str(HERE / "fake_upstream.py"), "--port", str(port), "--name", name]
+    model_dir = UPSTREAM_ENV.split(":", 1)[1]
+    return [*KVIK, "serve", "--model", model_dir, "--port", str(port)]
+
+
+class Upstream(ServerProcess):
+    def __init__(self, name: str, port: int, log_dir: Path) -> None:
+        super().__init__(upstream_command(port, name), port, log_dir / f"upstream-{name}-{port}.log")
+        self.name = name
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def received(self) -> list[dict[str, Any]]:
+        require_fake()
+        return httpx.get(self.url + "/_received", timeout=5).json()["bodies"]
+
+    def control(self, **changes: Any) -> None:
+        require_fake()
+        httpx.post(self.url + "/_control", json=changes, timeout=5).raise_for_status()
+
+    def reset(self) -> None:
+        if FAKE:
+            httpx.post(self.url + "/_reset", timeout=5).raise_for_status()
+
+
+class Gateway(ServerProcess):
+    def __init__(self, config_path: Path, port: int, log_path: Path, env: dict[str, str]) -> None:
+        super().__init__([*KVIK, "gateway", "--config", str(config_path), "--port", str(port)], port, log_path,
+                         env=env)
+        self.config_path = config_path
+
+    def client(self, key: str | None = None, timeout: float = 30.0) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+
+    def admin(self) -> httpx.Client:
+        return self.client(ADMIN_KEY)
+
+    def create_key(self, **spec: Any) -> str:
+        with self.admin() as client:
+            response = client.post("/admin/keys", json={"name": spec.pop("name", "test"), **spec})
+        assert response.status_code == 201, response.text
+        return response.json()["key"]
+
+    def replicas(self, model: str = "tiny") -> dict[str, dict[str, Any]]:
+        """Replica state of one model by URL (models may share replica URLs, with separate state)."""
+        with self.admin() as client:
+            return {r["url"]: r for r in client.get("/admin/replicas").json()["data"] if r["model"] == model}
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of the samples of `name` whose labels include `labels` (0 when none)."""
+        text = httpx.get(self.url + "/metrics", timeout=5).text
+        total = 0.0
+        for line in text.splitlines():
+            if not line.startswith(name + "{") and not line.startswith(name + " "):
+                continue
+            if all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+
+class GatewayFactory:
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.started: list[Gateway] = []
+
+    def start(self, config: dict[str, Any], name: str = "gateway") -> Gateway:
+        """Start `kvik gateway` with `config` on top of test defaults (fast probes, admin key, SQLite)."""
+        full = {
+            "auth": {"enabled": True, "admin_key": "env:KVIK_TEST_ADMIN_KEY", "key_cache_ttl_s": 0.5},
+            "database_url": f"sqlite:///{self.workdir / (name + '.db')}",
+            "health": {"interval_s": 0.5, "timeout_s": 1.0, "unhealthy_after": 1},
+            **config,
+        }
+        config_path = self.workdir / f"{name}.yaml"
+        config_path.write_text(yaml.safe_dump(full, sort_keys=False))
+        env = {"KVIK_TEST_ADMIN_KEY": ADMIN_KEY,
+               # The moderation hook used by the tests lives next to this file.
+               "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+        gateway = Gateway(config_path, free_port(), self.workdir / f"{name}.log", env)
+        self.started.append(gateway)
+        return gateway.start()
+
+    def stop_all(self) -> None:
+        for gateway in self.started:
+            gateway.stop()
+
+
+def model_config(name: str, upstreams: list[Upstream], **extra: Any) -> dict[str, Any]:
+    return {"name": name, "upstream_model": UPSTREAM_MODEL, "replicas": [{"url": u.url} for u in upstreams], **extra}
+
+
+class RedisServer(ServerProcess):
+    """A private redis-server: no persistence, loopback only."""
+
+    def __init__(self, binary: str, port: int, workdir: Path) -> None:
+        super().__init__([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                          "--dir", str(workdir)], port, workdir / "redis.log")
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def ready(self) -> bool:
+        import redis
+
+        try:
+            with redis.Redis(port=self.port, socket_timeout=1) as client:
+                return bool(client.ping())
+        except redis.ConnectionError:
+            return False
+
+
+class PostgresCluster:
+    """A private PostgreSQL cluster (initdb + pg_ctl). Postgres refuses to run as root, so as root the
+    server runs as the `postgres` user via runuser."""
+
+    def __init__(self) -> None:
+        bins = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
+        initdb = bins[-1] if bins else shutil.which("initdb")
+        if initdb is None:
+            missing_service("PostgreSQL is not installed (apt-get install -y postgresql)")
+        self.bin = Path(initdb).parent
+        self.port = free_port()
+        self.root = Path(tempfile.mkdtemp(prefix="kvik-pg-"))
+        self.data = self.root / "data"
+        self.as_user: list[str] = []
+        if os.geteuid() == 0:
+            shutil.chown(self.root, "postgres", "postgres")
+            self.as_user = ["runuser", "-u", "postgres", "--"]
+
+    def _run(self, *argv: str) -> None:
+        result = subprocess.run([*self.as_user, *argv], capture_output=True, text=True, timeout=120)
+        if result.returncode != 0:
+            raise RuntimeError(f"{argv[0]} failed: {result.stdout}\n{result.stderr}")
+
+    def start(self) -> None:
+        self._run(str(self.bin / "initdb"), "-D", str(self.data), "-A", "trust", "-U", "postgres",
+                  "--no-sync", "-E", "UTF8")
+        options = (f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c fsync=off "
+                   f"-c synchronous_commit=off -c full_page_writes=off -c shared_buffers=16MB")
+        self._run(str(self.bin / "pg_ctl"), "-D", str(self.data), "-l", str(self.root / "server.log"),
+                  "-o", options, "-w", "-t", "60", "start")
+
+    def stop(self) -> None:
+        try:
+            self._run(str(self.bin / "pg_ctl"), "-D", str(self.data), "-m", "immediate", "-w", "stop")
+        finally:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+    def url(self, database: str = "postgres") -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/{database}"
+
+    def create_database(self, name: str) -> str:
+        import psycopg
+
+        with psycopg.connect(self.url(), autocommit=True) as conn:
+            conn.execute(f'CREATE DATABASE "{name}"')
+        return self.url(name)
