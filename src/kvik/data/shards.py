@@ -1,0 +1,172 @@
+"""Token shards: documents tokenized, joined with end-of-text tokens and packed into binary files.
+
+On-disk format (read by `kvik.train.shards`, which must agree with this docstring):
+
+- `<split>-<NNNNN>.bin`: little-endian token ids, `uint16` when the vocabulary fits, else `uint32`;
+  each document is followed by the tokenizer's end-of-text id; a document never spans two shards.
+- `tokenizer/`: tokenizer.json and tokenizer_config.json (HF format, with the chat template).
+- `manifest.json`: {"format": "kvik-token-shards/1", "version", "dtype", "tokenizer": {"dir",
+  "sha256", "vocab_size", "eos_token_id"}, "config", "documents": {"input", "output"}, "splits":
+  {"train"|"val": {"documents", "tokens", "shards": [{"file", "documents", "tokens", "sha256"}]}}}.
+  `version` is a hash of the content (tokenizer and shard hashes), so identical data has the same
+  version whatever its path or config.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import shutil
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvik.core.errors import ConfigError
+from kvik.core.tokenizer_files import train_tokenizer, write_tokenizer
+from kvik.data.config import ShardConfig, TokenizerConfig
+
+MANIFEST_FORMAT = "kvik-token-shards/1"
+DEFAULT_EOS_TOKEN = "<|endoftext|>"  # what kvik's own tokenizers end documents with
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+ENCODE_BATCH = 256  # documents per call into the (multi-threaded) Rust tokenizer
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def prepare_tokenizer(config: TokenizerConfig, texts: Iterable[str], out_dir: Path) -> Any:
+    """Copy the configured tokenizer into `out_dir`, or train a byte-level BPE on `texts`."""
+    from tokenizers import Tokenizer
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if config.path:
+        source = Path(config.path)
+        for name in TOKENIZER_FILES:
+            if not (source / name).is_file():
+                raise ConfigError(f"tokenizer.path: {source} has no {name}")
+            shutil.copyfile(source / name, out_dir / name)
+        return Tokenizer.from_file(str(out_dir / "tokenizer.json"))
+    tokenizer = train_tokenizer(config.vocab_size, list(texts))
+    write_tokenizer(out_dir, tokenizer, config.model_max_length)
+    return tokenizer
+
+
+def eos_token_id(tokenizer_dir: Path, tokenizer: Any) -> int:
+    """The id that separates documents: the tokenizer's declared end-of-sequence token."""
+    settings = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
+    token = settings.get("eos_token") or DEFAULT_EOS_TOKEN
+    if isinstance(token, dict):  # older files store the AddedToken's fields
+        token = token["content"]
+    token_id = tokenizer.token_to_id(token)
+    if token_id is None:
+        raise ConfigError(f"tokenizer: {tokenizer_dir} declares eos_token {token!r}, which is not in "
+                          "its vocabulary; documents need it as a separator")
+    return token_id
+
+
+def choose_validation(num_documents: int, config: ShardConfig) -> set[int]:
+    """Indices of the documents held out for validation: a seeded sample, at least one if asked."""
+    if config.val_fraction <= 0 or num_documents < 2:
+        return set()
+    count = max(1, round(num_documents * config.val_fraction))
+    return set(random.Random(config.seed).sample(range(num_documents), count))
+
+
+@dataclass(slots=True)
+class _SplitWriter:
+    """Writes one split's shards, starting a new file when the next document would not fit."""
+
+    name: str
+    out_dir: Path
+    dtype: np.dtype
+    shard_tokens: int
+    shards: list[dict[str, Any]] = field(default_factory=list)
+    _buffer: list[np.ndarray] = field(default_factory=list)
+    _buffered: int = 0
+    _documents: int = 0
+
+    def add(self, ids: np.ndarray) -> None:
+        if self._buffered and self._buffered + len(ids) > self.shard_tokens:
+            self.flush()
+        self._buffer.append(ids)
+        self._buffered += len(ids)
+        self._documents += 1
+
+    def flush(self) -> None:
+        if not self._buffer:
+            return
+        path = self.out_dir / f"{self.name}-{len(self.shards):05d}.bin"
+        np.concatenate(self._buffer).astype(self.dtype.newbyteorder("<")).tofile(path)
+        self.shards.append({"file": path.name, "documents": self._documents,
+                            "tokens": self._buffered, "sha256": file_sha256(path)})
+        self._buffer, self._buffered, self._documents = [], 0, 0
+
+    def summary(self) -> dict[str, Any]:
+        return {"documents": sum(s["documents"] for s in self.shards),
+                "tokens": sum(s["tokens"] for s in self.shards), "shards": self.shards}
+
+
+def _batches(texts: Iterable[str], size: int) -> Iterator[list[str]]:
+    batch: list[str] = []
+    for text in texts:
+        batch.append(text)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def write_shards(texts: Iterable[str], num_documents: int, tokenizer: Any, eos: int, out_dir: Path,
+                 config: ShardConfig) -> dict[str, dict[str, Any]]:
+    """Tokenize `texts` (in order), each followed by `eos`, into train/val shards under `out_dir`;
+    return the split summaries."""
+    vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+    dtype = np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+    val = choose_validation(num_documents, config)
+    writers = {name: _SplitWriter(name, out_dir, dtype, config.shard_tokens) for name in ("train", "val")}
+    index = 0
+    for batch in _batches(texts, ENCODE_BATCH):
+        for encoding in tokenizer.encode_batch(batch, add_special_tokens=False):
+            writers["val" if index in val else "train"].add(np.array([*encoding.ids, eos], dtype=dtype))
+            index += 1
+    for writer in writers.values():
+        writer.flush()
+    return {name: writer.summary() for name, writer in writers.items()}
+
+
+def write_manifest(out_dir: Path, tokenizer_dir: Path, tokenizer: Any, eos: int,
+                   splits: dict[str, dict[str, Any]], config: dict[str, Any],
+                   input_documents: int) -> dict[str, Any]:
+    vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+    tokenizer_info = {
+        "dir": tokenizer_dir.relative_to(out_dir).as_posix(),
+        "sha256": file_sha256(tokenizer_dir / "tokenizer.json"),
+        "vocab_size": vocab_size,
+        "eos_token_id": eos,
+    }
+    dtype = "uint16" if vocab_size <= 1 << 16 else "uint32"
+    content = json.dumps({"dtype": dtype, "tokenizer": tokenizer_info["sha256"],
+                          "shards": {name: [s["sha256"] for s in split["shards"]]
+                                     for name, split in splits.items()}}, sort_keys=True)
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "version": hashlib.sha256(content.encode()).hexdigest()[:16],
+        "dtype": dtype,
+        "tokenizer": tokenizer_info,
+        "config": config,
+        "documents": {"input": input_documents,
+                      "output": sum(split["documents"] for split in splits.values())},
+        "splits": splits,
+    }
+    (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest

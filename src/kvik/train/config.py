@@ -1,0 +1,182 @@
+"""`train.yaml`: what to train, on what, how long, and where it goes. One dataclass per section."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvik.core.errors import ConfigError
+
+TASKS = ("pretrain", "sft")
+STRATEGIES = ("ddp", "fsdp")
+PRECISIONS = ("auto", "fp32", "bf16")
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    # An HF model directory to start from (fine-tuning, continued pretraining); else a fresh
+    # model of `type` built from `config` (HF config keys; vocab and special ids come from the
+    # tokenizer).
+    init_from: str | None = None
+    type: str = "llama"
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class DataConfig:
+    shards: str | None = None  # pretrain: directory with manifest.json from `kvik data`
+    sft_path: str | None = None  # sft: JSONL of {"messages": [{"role", "content"}, ...]}
+    seq_len: int = 256  # tokens per sample (longer SFT conversations are truncated)
+
+
+@dataclass(slots=True)
+class OptimConfig:
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
+    warmup_steps: int = 10
+    weight_decay: float = 0.1  # on matrices only; norms, biases and embeddings' vectors none
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float | None = 1.0  # max global grad norm; null turns clipping off
+
+
+@dataclass(slots=True)
+class DistributedConfig:
+    strategy: str = "ddp"  # ddp | fsdp (FSDP2 fully_shard, per decoder layer and at the root)
+    timeout_s: float = 300.0  # process-group timeout: a dead peer ends a collective, not a hang
+
+
+@dataclass(slots=True)
+class CheckpointConfig:
+    every_steps: int = 100  # 0: only at exit
+    keep_last: int = 2
+    dir: str | None = None  # default: <output_dir>/checkpoints
+    resume: bool = True  # continue from the newest checkpoint in `dir` when there is one
+
+
+@dataclass(slots=True)
+class LoraConfig:
+    r: int = 8
+    alpha: int = 16
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    merge: bool = False  # also write the merged model to `merged_dir`
+    merged_dir: str | None = None  # default: <output_dir>/merged
+
+
+@dataclass(slots=True)
+class TrainConfig:
+    output_dir: str
+    task: str = "pretrain"  # pretrain | sft
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    max_steps: int = 100  # optimizer steps
+    micro_batch_size: int = 8  # samples per process per forward
+    grad_accum_steps: int = 1
+    precision: str = "auto"  # auto: bf16 autocast on a GPU that has it, else fp32
+    seed: int = 0
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    lora: LoraConfig | None = None
+    eval_every: int = 0  # steps between validation losses (0: at the end only, if there is a val split)
+    eval_batches: int = 8
+    log_every: int = 1
+    tensorboard: bool = True
+    peak_flops: float | None = None  # per device, for MFU; default: known GPUs, measured on CPU
+
+    def validate(self) -> None:
+        if self.task not in TASKS:
+            raise ConfigError(f"task: {self.task!r} is not one of {', '.join(TASKS)}")
+        if self.task == "pretrain" and not self.data.shards:
+            raise ConfigError("data.shards: pretraining needs the directory written by `kvik data`")
+        if self.task == "sft" and not (self.data.sft_path and self.model.init_from):
+            raise ConfigError("sft needs data.sft_path (chat JSONL) and model.init_from "
+                              "(a model directory with a chat template)")
+        if self.lora is not None and not self.model.init_from:
+            raise ConfigError("lora: needs model.init_from, the base model the adapter applies to")
+        if self.distributed.strategy not in STRATEGIES:
+            raise ConfigError(f"distributed.strategy: {self.distributed.strategy!r} is not one of "
+                              f"{', '.join(STRATEGIES)}")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"precision: {self.precision!r} is not one of {', '.join(PRECISIONS)}")
+        for name in ("max_steps", "micro_batch_size", "grad_accum_steps", "log_every"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be at least 1")
+        if self.data.seq_len < 2:
+            raise ConfigError("data.seq_len: must be at least 2")
+        if self.checkpoint.keep_last < 1:
+            raise ConfigError("checkpoint.keep_last: must be at least 1")
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.checkpoint.dir or Path(self.output_dir) / "checkpoints")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The YAML mapping in `path`."""
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML ({exc})") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    return data
+
+
+def train_config_from_dict(data: dict[str, Any]) -> TrainConfig:
+    config = _build(TrainConfig, data, "")
+    config.validate()
+    return config
+
+
+def _build(cls: type, data: Any, where: str) -> Any:
+    """Dataclass `cls` from YAML data: unknown or missing keys and wrong scalar types are errors."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where or 'config'}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = dataclasses.fields(cls)
+    unknown = sorted(set(data) - {f.name for f in fields})
+    if unknown:
+        raise ConfigError(f"{where or 'config'}: unknown key(s) {', '.join(map(str, unknown))}; "
+                          f"known: {', '.join(sorted(f.name for f in fields))}")
+    missing = [f.name for f in fields if f.name not in data
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ConfigError(f"{where or 'config'}: missing required key(s) {', '.join(missing)}")
+    return cls(**{name: _convert(hints[name], value, f"{where}.{name}".lstrip("."))
+                  for name, value in data.items()})
+
+
+def _convert(hint: Any, value: Any, where: str) -> Any:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        if value is None:
+            return None
+        hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, where)
+    origin = typing.get_origin(hint)
+    if origin in (list, dict):
+        if not isinstance(value, origin):
+            raise ConfigError(f"{where}: expected a {'list' if origin is list else 'mapping'}")
+        return value
+    if hint is float and isinstance(value, (int, str)) and not isinstance(value, bool):
+        try:  # PyYAML reads "3e-4" (no dot) as a string
+            return float(value)
+        except ValueError:
+            raise ConfigError(f"{where}: expected a number, got {value!r}") from None
+    if hint in (int, float, str, bool) and not isinstance(value, hint):
+        raise ConfigError(f"{where}: expected {hint.__name__}, got {value!r}")
+    return value
