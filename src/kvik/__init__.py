@@ -21,12 +21,12 @@ _LAZY = {
 
 __all__ = ["__version__", *_LAZY]
 
-if TYPE_CHECKING:  # pragma: no cover
-    from kvik.core.config import EngineArgs
-    from kvik.core.outputs import CompletionOutput, RequestOutput
-    from kvik.core.sampling_params import SamplingParams
-    from kvik.engine.async_engine import AsyncEngine
-    from kvik.engine.llm import LLM
+if TYPE_CHECKING:  # pragma: no cover  (names served lazily by __getattr__)
+    from kvik.core.config import EngineArgs  # noqa: F401
+    from kvik.core.outputs import CompletionOutput, RequestOutput  # noqa: F401
+    from kvik.core.sampling_params import SamplingParams  # noqa: F401
+    from kvik.engine.async_engine import AsyncEngine  # noqa: F401
+    from kvik.engine.llm import LLM  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:

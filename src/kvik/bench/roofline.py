@@ -42,7 +42,6 @@ def measure_roofline(repeats: int = 5, gemm_size: int = 2048, stream_bytes: int 
     out = torch.empty(gemm_size, gemm_size)
     gemm = _best_time(lambda: torch.mm(a, b, out=out), repeats)
     flops = 2 * gemm_size**3 / gemm
-    del a, b, out
     big = torch.ones(stream_bytes // 4)
     read = _best_time(lambda: big.sum(), repeats)
     target = torch.empty_like(big)

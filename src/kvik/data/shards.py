@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from kvik.core.config_files import file_sha256
 from kvik.core.errors import ConfigError
 from kvik.core.tokenizer_files import train_tokenizer, write_tokenizer
 from kvik.data.config import ShardConfig, TokenizerConfig
@@ -33,14 +34,6 @@ MANIFEST_FORMAT = "kvik-token-shards/1"
 DEFAULT_EOS_TOKEN = "<|endoftext|>"  # what kvik's own tokenizers end documents with
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 ENCODE_BATCH = 256  # documents per call into the (multi-threaded) Rust tokenizer
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def prepare_tokenizer(config: TokenizerConfig, texts: Iterable[str], out_dir: Path) -> Any:

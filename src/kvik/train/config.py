@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 
+from kvik.core.config_files import build_dataclass, read_config_file  # noqa: F401 (re-exported)
 from kvik.core.errors import ConfigError
 
 TASKS = ("pretrain", "sft")
@@ -123,60 +121,7 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
-def read_config_file(path: str | Path) -> dict[str, Any]:
-    """The YAML mapping in `path`."""
-    try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
-    except OSError as exc:
-        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML ({exc})") from exc
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping at the top level")
-    return data
-
-
 def train_config_from_dict(data: dict[str, Any]) -> TrainConfig:
-    config = _build(TrainConfig, data, "")
+    config = build_dataclass(TrainConfig, data, "")
     config.validate()
     return config
-
-
-def _build(cls: type, data: Any, where: str) -> Any:
-    """Dataclass `cls` from YAML data: unknown or missing keys and wrong scalar types are errors."""
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where or 'config'}: expected a mapping, got {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
-    fields = dataclasses.fields(cls)
-    unknown = sorted(set(data) - {f.name for f in fields})
-    if unknown:
-        raise ConfigError(f"{where or 'config'}: unknown key(s) {', '.join(map(str, unknown))}; "
-                          f"known: {', '.join(sorted(f.name for f in fields))}")
-    missing = [f.name for f in fields if f.name not in data
-               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
-    if missing:
-        raise ConfigError(f"{where or 'config'}: missing required key(s) {', '.join(missing)}")
-    return cls(**{name: _convert(hints[name], value, f"{where}.{name}".lstrip("."))
-                  for name, value in data.items()})
-
-
-def _convert(hint: Any, value: Any, where: str) -> Any:
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        if value is None:
-            return None
-        hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
-    if dataclasses.is_dataclass(hint):
-        return _build(hint, value, where)
-    origin = typing.get_origin(hint)
-    if origin in (list, dict):
-        if not isinstance(value, origin):
-            raise ConfigError(f"{where}: expected a {'list' if origin is list else 'mapping'}")
-        return value
-    if hint is float and isinstance(value, (int, str)) and not isinstance(value, bool):
-        try:  # PyYAML reads "3e-4" (no dot) as a string
-            return float(value)
-        except ValueError:
-            raise ConfigError(f"{where}: expected a number, got {value!r}") from None
-    if hint in (int, float, str, bool) and not isinstance(value, hint):
-        raise ConfigError(f"{where}: expected {hint.__name__}, got {value!r}")
-    return value

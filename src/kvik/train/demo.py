@@ -10,7 +10,6 @@ time: the server calls `trained_demo_model_path()` at start-up.
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 

@@ -7,7 +7,6 @@ corrupted data wastes the run and is hard to notice afterwards.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from kvik.core.config_files import file_sha256
 from kvik.core.errors import ConfigError
 
 MANIFEST_FORMAT = "kvik-token-shards/1"
@@ -23,14 +23,6 @@ DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 
 class ShardChecksumError(ConfigError):
     """A shard's bytes differ from the manifest's sha256 (corrupted, truncated or replaced)."""
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 class TokenStream:
@@ -96,7 +88,7 @@ def open_dataset(root: str | Path, *, verify: bool = True) -> TokenDataset:
     manifest = load_manifest(root)
     dtype = DTYPES[manifest["dtype"]]
     tokenizer_file = root / manifest["tokenizer"]["dir"] / "tokenizer.json"
-    if verify and _sha256(tokenizer_file) != manifest["tokenizer"]["sha256"]:
+    if verify and file_sha256(tokenizer_file) != manifest["tokenizer"]["sha256"]:
         raise ShardChecksumError(f"{tokenizer_file}: sha256 differs from manifest.json; the "
                                  "tokenizer no longer matches the token ids in the shards")
     splits: dict[str, TokenStream] = {}
@@ -104,7 +96,7 @@ def open_dataset(root: str | Path, *, verify: bool = True) -> TokenDataset:
         arrays = []
         for shard in split["shards"]:
             path = root / shard["file"]
-            if verify and (not path.is_file() or _sha256(path) != shard["sha256"]):
+            if verify and (not path.is_file() or file_sha256(path) != shard["sha256"]):
                 raise ShardChecksumError(f"{path}: sha256 differs from manifest.json (the shard is "
                                          "corrupted or was replaced); rerun `kvik data run`")
             array = np.memmap(path, dtype=dtype, mode="r")
