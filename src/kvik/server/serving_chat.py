@@ -13,7 +13,7 @@ from kvik.core.errors import InvalidRequestError
 from kvik.core.outputs import Logprob, RequestOutput
 from kvik.protocol.openai import ChatCompletionRequest, ChatMessage
 from kvik.protocol.sse import DONE_FRAME, sse_frame
-from kvik.server.serving_common import (CallRecord, ChoiceAccumulator, SSEResponse, log_request,
+from kvik.server.serving_common import (Admission, CallRecord, ChoiceAccumulator, SSEResponse,
                                         resolve_max_tokens, sampling_params, top_alternatives,
                                         tracked_generate, unless_disconnected, usage)
 from kvik.server.state import ServerState
@@ -87,25 +87,16 @@ class ChatServing:
                                  logprobs=top_k if body.logprobs else None)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         record = CallRecord(prompt_tokens=len(prompt_ids))
-        state.admit(params.n)
-        released = False
-
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                state.release(params.n)
-                log_request(state, request_id=request_id, endpoint="chat", model=model, status=200,
-                            arrival=arrival, records=[record], stream=body.stream, prompt=text)
-
+        admission = Admission(state, params.n, request_id=request_id, endpoint="chat", model=model,
+                              arrival=arrival, records=[record], stream=body.stream, prompt=text)
         stream = tracked_generate(state, request_id, prompt_ids, params, arrival, record)
         if body.stream:
             return SSEResponse(self._stream(body, stream, request_id, model, int(arrival), record, top_k),
-                               on_close=release)
+                               on_close=admission.release)
         try:
             result = await unless_disconnected(raw, self._collect(stream))
         finally:
-            release()
+            admission.release()
         return JSONResponse(self._response(body, result, request_id, model, int(arrival), record, top_k))
 
     @staticmethod

@@ -177,6 +177,26 @@ async def merged(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+class Admission:
+    """Capacity reserved for one HTTP request's sequences. `release` gives it back and writes the
+    request log line, exactly once, however the request ends."""
+
+    def __init__(self, state: ServerState, num_sequences: int, *, request_id: str, endpoint: str,
+                 model: str, arrival: float, records: list[CallRecord], stream: bool,
+                 prompt: Any) -> None:
+        state.admit(num_sequences)
+        self.state, self.num_sequences = state, num_sequences
+        self.log = dict(request_id=request_id, endpoint=endpoint, model=model, arrival=arrival,
+                        records=records, stream=stream, prompt=prompt)
+        self.released = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.state.release(self.num_sequences)
+            log_request(self.state, status=200, **self.log)
+
+
 class ClientDisconnected(Exception):
     """The client went away before the response was ready."""
 

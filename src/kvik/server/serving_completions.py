@@ -19,9 +19,10 @@ from kvik.core.outputs import Logprob, PromptLogprobs, RequestOutput
 from kvik.core.tokenizer import Tokenizer
 from kvik.protocol.openai import CompletionRequest
 from kvik.protocol.sse import DONE_FRAME, sse_frame
-from kvik.server.serving_common import (CallRecord, ChoiceAccumulator, SSEResponse, log_request, merged,
-                                        resolve_max_tokens, sampling_params, top_alternatives,
-                                        tracked_generate, unless_disconnected, usage)
+from kvik.server.serving_common import (Admission, CallRecord, ChoiceAccumulator, SSEResponse,
+                                        merged, resolve_max_tokens, sampling_params,
+                                        top_alternatives, tracked_generate, unless_disconnected,
+                                        usage)
 from kvik.server.state import ServerState
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the completions API
@@ -108,27 +109,18 @@ class CompletionServing:
 
         request_id = f"cmpl-{uuid.uuid4().hex}"
         total = body.n * len(calls)
-        state.admit(total)
-        released = False
-
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                state.release(total)
-                log_request(state, request_id=request_id, endpoint="completions", model=model,
-                            status=200, arrival=arrival, records=[c[3] for c in calls],
-                            stream=body.stream, prompt=[c[0] for c in calls])
-
+        admission = Admission(state, total, request_id=request_id, endpoint="completions", model=model,
+                              arrival=arrival, records=[c[3] for c in calls], stream=body.stream,
+                              prompt=[c[0] for c in calls])
         streams = [tracked_generate(state, f"{request_id}-{i}", ids, params, arrival, record)
                    for i, (_, ids, params, record) in enumerate(calls)]
         context = _Context(body, tokenizer, request_id, model, int(arrival), calls, score_only)
         if body.stream:
-            return SSEResponse(self._stream(context, streams), on_close=release)
+            return SSEResponse(self._stream(context, streams), on_close=admission.release)
         try:
             result = await unless_disconnected(raw, self._collect(streams))
         finally:
-            release()
+            admission.release()
         return JSONResponse(self._response(context, *result))
 
     @staticmethod
