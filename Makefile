@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PORT   ?= 8000
 
-.PHONY: serve test demo lint clean
+.PHONY: serve test demo demo-model clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ serve: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/kvik generate
+
+# Train the Shakespeare demo model (minutes on a CPU); `make serve` uses it from then on.
+demo-model: $(STAMP)
+	$(BIN)/kvik train demo
 
 test: $(STAMP)
 	$(BIN)/lint-imports
