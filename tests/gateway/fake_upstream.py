@@ -23,6 +23,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+RETRY_AFTER_S = 7  # sent with 429 and 503 answers
+
 DEFAULT_CONTROL: dict[str, Any] = {
     "fail_status": None,  # status to answer with while fail_count > 0 (or forever when fail_count is None)
     "fail_count": 0,
@@ -54,8 +56,10 @@ def build_app(name: str, record: bool) -> FastAPI:
         if control["fail_count"] is not None:
             control["fail_count"] -= 1
         status = control["fail_status"]
+        # Like kvik serve at capacity: an overloaded replica says when to come back.
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else {}
         return JSONResponse({"error": {"message": f"{name} told to fail", "type": "server_error",
-                                       "param": None, "code": None}}, status_code=status)
+                                       "param": None, "code": None}}, status_code=status, headers=headers)
 
     async def answer(request: Request, chat: bool) -> Response:
         body = await request.json()

@@ -3,16 +3,20 @@
 - `ServerProcess`: any HTTP server started as a subprocess, ready once its health path answers 200.
 - `Upstream`: one replica. `upstream_command(port, name)` runs the fake OpenAI-compatible upstream
   (`fake_upstream.py`) unless KVIK_GATEWAY_TEST_UPSTREAM is `kvik-serve:MODEL_DIR`, which swaps in
-  `kvik serve --model MODEL_DIR --port P` (KVIK_GATEWAY_TEST_UPSTREAM_MODEL names the model it
-  serves); tests that need the fake's `/_received`, `/_control` or token arithmetic call
-  `require_fake()` and are skipped then.
+  `kvik serve --model MODEL_DIR --port P --served-model-name NAME` (NAME is
+  KVIK_GATEWAY_TEST_UPSTREAM_MODEL, default `tiny`); tests that need the fake's `/_received`,
+  `/_control` or token arithmetic call `require_fake()` and are skipped then.
+- `KvikServe`: one real `kvik serve` replica with `--log-prompts`, read back through its Prometheus
+  counters and its per-request JSON log lines (test_e2e_kvik_serve.py).
 - `Gateway`, `GatewayFactory`: write a config YAML and run `kvik gateway --config FILE --port P`.
 - `PostgresCluster`: a private PostgreSQL (initdb + pg_ctl) in a temp dir on a free port.
 """
 
 from __future__ import annotations
 
+import asyncio
 import glob
+import json
 import os
 import shutil
 import signal
@@ -21,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -81,9 +85,17 @@ class ServerProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 60.0) -> ServerProcess:
+        self.launch()
+        return self.wait_ready(timeout)
+
+    def launch(self) -> None:
+        """Start the process without waiting (several servers can then load side by side)."""
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=REPO)
         log.close()
+
+    def wait_ready(self, timeout: float = 60.0) -> ServerProcess:
+        assert self.proc is not None, "launch() first"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -122,12 +134,30 @@ class ServerProcess:
             return ""
 
 
+def scrape_metric(url: str, name: str, **labels: str) -> float:
+    """Sum of the samples of `name` on `url`/metrics whose labels include `labels` (0 when none)."""
+    text = httpx.get(url + "/metrics", timeout=5).text
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def kvik_serve_command(model_dir: str | Path, port: int, *, log_prompts: bool = False) -> list[str]:
+    """`kvik serve` on 127.0.0.1, answering to UPSTREAM_MODEL, with a short context (tiny models)."""
+    argv = [*KVIK, "serve", "--model", str(model_dir), "--port", str(port), "--served-model-name",
+            UPSTREAM_MODEL, "--max-model-len", "512"]
+    return [*argv, "--log-prompts"] if log_prompts else argv
+
+
 def upstream_command(port: int, name: str) -> list[str]:
     """The command line of one replica; the single place to swap the fake for `kvik serve`."""
     if FAKE:
         return [sys.executable, str(HERE / "fake_upstream.py"), "--port", str(port), "--name", name]
-    model_dir = UPSTREAM_ENV.split(":", 1)[1]
-    return [*KVIK, "serve", "--model", model_dir, "--port", str(port)]
+    return kvik_serve_command(UPSTREAM_ENV.split(":", 1)[1], port)
 
 
 class Upstream(ServerProcess):
@@ -178,14 +208,56 @@ class Gateway(ServerProcess):
 
     def metric(self, name: str, **labels: str) -> float:
         """Sum of the samples of `name` whose labels include `labels` (0 when none)."""
-        text = httpx.get(self.url + "/metrics", timeout=5).text
-        total = 0.0
-        for line in text.splitlines():
-            if not line.startswith(name + "{") and not line.startswith(name + " "):
-                continue
-            if all(f'{k}="{v}"' in line for k, v in labels.items()):
-                total += float(line.rsplit(" ", 1)[1])
-        return total
+        return scrape_metric(self.url, name, **labels)
+
+
+class KvikServe(ServerProcess):
+    """A real `kvik serve` replica with `--log-prompts`: one JSON line per request, prompt included.
+
+    Its log file is appended to across restarts, so `request_log()` covers every incarnation, while
+    its Prometheus counters start again from zero in each."""
+
+    REQUEST_LOG_MARK = "kvik.server.requests: "
+
+    def __init__(self, name: str, model_dir: Path, port: int, log_dir: Path) -> None:
+        # One torch thread: two replicas, a gateway and the test share two busy cores. The PyTorch
+        # attention path: the compiled CPU kernel is built on first use (30-50 s on two busy cores)
+        # in a build directory that other checkouts on the machine rebuild for their own torch, and
+        # these tests are about the gateway, not the kernel.
+        super().__init__(kvik_serve_command(model_dir, port, log_prompts=True), port,
+                         log_dir / f"kvik-serve-{name}-{port}.log",
+                         env={"OMP_NUM_THREADS": "1", "KVIK_CPU_KERNELS": "0"})
+        self.name = name
+
+    def warm_up(self, concurrency: int = 8) -> None:
+        """Direct requests in one batch, so first-use costs (new batch shapes) are paid before any
+        test measures where traffic goes."""
+        async def batch() -> None:
+            async with httpx.AsyncClient(base_url=self.url, timeout=60) as client:
+                responses = await asyncio.gather(*(client.post("/v1/completions", json={
+                    "model": UPSTREAM_MODEL, "prompt": f"warm up {i}", "max_tokens": 4})
+                    for i in range(concurrency)))
+            assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+
+        asyncio.run(batch())
+
+    def requests_served(self) -> int:
+        """Finished requests of this incarnation, from `kvik:request_success_total` (n=1 requests)."""
+        return int(scrape_metric(self.url, "kvik:request_success_total"))
+
+    def request_log(self) -> list[dict[str, Any]]:
+        """The server's per-request log lines (`event: request`), oldest first."""
+        lines = []
+        for line in self.log_path.read_text(errors="replace").splitlines():
+            _, mark, payload = line.partition(self.REQUEST_LOG_MARK)
+            if mark:
+                lines.append(json.loads(payload))
+        return lines
+
+    def prompts_containing(self, text: str) -> list[str]:
+        """The logged prompts (chat: after the chat template) that contain `text`."""
+        return [json.dumps(entry.get("prompt"), ensure_ascii=False) for entry in self.request_log()
+                if text in json.dumps(entry.get("prompt"), ensure_ascii=False)]
 
 
 class GatewayFactory:
@@ -215,7 +287,7 @@ class GatewayFactory:
             gateway.stop()
 
 
-def model_config(name: str, upstreams: list[Upstream], **extra: Any) -> dict[str, Any]:
+def model_config(name: str, upstreams: Sequence[ServerProcess], **extra: Any) -> dict[str, Any]:
     return {"name": name, "upstream_model": UPSTREAM_MODEL, "replicas": [{"url": u.url} for u in upstreams], **extra}
 
 

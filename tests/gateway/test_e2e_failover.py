@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.gateway.fake_upstream import RETRY_AFTER_S
 from tests.gateway.harness import Gateway, GatewayFactory, Upstream, free_port, model_config, require_fake, wait_for
 
 pytestmark = pytest.mark.timeout(180)
@@ -117,6 +118,29 @@ def test_when_every_replica_fails_the_client_gets_an_openai_error(gateway: Gatew
     finally:
         for upstream in replicas:
             upstream.reset()
+
+
+def test_when_every_replica_is_overloaded_the_client_gets_its_retry_after(gateway: Gateway,
+                                                                         replicas: list[Upstream]) -> None:
+    require_fake()
+    for upstream in replicas:
+        upstream.reset()
+        upstream.control(fail_status=503, fail_count=2)  # each request tries both replicas
+    with gateway.client() as client:
+        response = client.post("/v1/chat/completions", json=body(2))
+        streamed = client.post("/v1/chat/completions", json=body(3, stream=True))
+    for answer in (response, streamed):  # the replicas' own answer and hint, not the gateway's
+        assert answer.status_code == 503 and answer.headers["retry-after"] == str(RETRY_AFTER_S)
+        assert answer.json()["error"]["message"].endswith("told to fail")
+    for upstream in replicas:
+        upstream.reset()
+
+    def all_closed() -> bool:  # 503s count against the breakers; successes close them again
+        with gateway.client() as client:
+            assert client.post("/v1/chat/completions", json=body(4)).status_code == 200
+        return all(r["breaker"] == "closed" for r in gateway.replicas().values())
+
+    wait_for(all_closed, timeout=30, interval=0.2)
 
 
 def test_replica_dying_mid_stream_ends_the_stream_with_an_error_event(gateway: Gateway,

@@ -87,6 +87,7 @@ def test_token_budget_is_enforced(gateway: Gateway) -> None:
     refused = ask(gateway, key, max_tokens=20)
     assert_openai_error(refused, 429, "insufficient_quota", "insufficient_quota")
     assert "retry-after" not in refused.headers  # waiting does not help
+    assert gateway.metric("kvik_gateway_rate_limited_total", limit="budget") >= 1
 
 
 def test_admin_api_manages_keys_and_reports_usage(gateway: Gateway) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvik.gateway.sse import EventSplitter, TokenUsage, inspect_event
+from kvik.gateway.sse import EventSplitter, TokenUsage, drop_null_usage, inspect_event
 
 
 def test_splitter_returns_whole_events_across_arbitrary_reads() -> None:
@@ -23,3 +23,15 @@ def test_inspect_event_finds_usage_done_and_errors() -> None:
     assert inspect_event(b"data: [DONE]\n\n").done
     assert inspect_event(b'data: {"error": {"message": "boom"}}\n\n').error
     assert inspect_event(b": keep-alive\n\n") == inspect_event(b"event: ping\n\n")
+
+
+def test_drop_null_usage_removes_only_null_usage_members() -> None:
+    # kvik serve's shape: `"usage": null` last; vLLM-style compact JSON; first member; in a string.
+    assert drop_null_usage(b'data: {"id": "c1", "choices": [{"delta": {}}], "usage": null}\n\n') == (
+        b'data: {"id": "c1", "choices": [{"delta": {}}]}\n\n')
+    assert drop_null_usage(b'data: {"id":"c1","usage":null,"choices":[]}\n\n') == b'data: {"id":"c1","choices":[]}\n\n'
+    assert drop_null_usage(b'data: {"usage": null, "id": "c1"}\n\n') == b'data: {"id": "c1"}\n\n'
+    text = b'data: {"choices": [{"delta": {"content": "say \\", \\"usage\\": null"}}]}\n\n'
+    assert drop_null_usage(text) == text
+    usage = b'data: {"choices": [], "usage": {"prompt_tokens": 3}}\n\n'
+    assert drop_null_usage(usage) == usage and drop_null_usage(b"data: [DONE]\n\n") == b"data: [DONE]\n\n"

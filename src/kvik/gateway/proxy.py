@@ -36,6 +36,7 @@ class UpstreamAnswer:
     content_type: str
     attempts: int
     body: bytes = b""  # the whole body (non-streaming, or any error answer)
+    retry_after: str | None = None  # the replica's Retry-After header (429/503), relayed to the client
     first_chunk: bytes = b""  # streaming 200: already read from the upstream
     rest: AsyncIterator[bytes] | None = None  # streaming 200: the chunks after the first
     _response: httpx.Response | None = None
@@ -115,13 +116,16 @@ class UpstreamProxy:
         request = self._client.build_request("POST", replica.url + path, content=payload, headers=headers)
         response = await self._client.send(request, stream=stream)
         content_type = response.headers.get("content-type", "application/json")
+        retry_after = response.headers.get("retry-after")
         if not stream:
-            return UpstreamAnswer(replica, response.status_code, content_type, attempt, body=response.content)
+            return UpstreamAnswer(replica, response.status_code, content_type, attempt, body=response.content,
+                                  retry_after=retry_after)
         try:
             if response.status_code != 200:
                 body = await response.aread()
                 await response.aclose()
-                return UpstreamAnswer(replica, response.status_code, content_type, attempt, body=body)
+                return UpstreamAnswer(replica, response.status_code, content_type, attempt, body=body,
+                                      retry_after=retry_after)
             chunks = response.aiter_raw()
             first = b""
             while not first:  # a replica that closes before any byte is a failed attempt

@@ -3,6 +3,8 @@
 Each upstream read is cut into whole SSE events and sent on at once, never held back for the next
 read: a token the replica produced is on its way to the client within one event-loop turn. On the
 way the relay reads the usage chunk, notes `[DONE]`, and keeps a copy for the cache when asked.
+When the gateway (not the client) asked for the usage chunk, the relay drops it, and the
+`"usage": null` members upstreams then add to every chunk, so the client gets the stream it asked for.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from fastapi.responses import StreamingResponse
 from kvik.core.errors import UpstreamError
 from kvik.gateway.proxy import UpstreamAnswer
 from kvik.gateway.replica import Outcome
-from kvik.gateway.sse import EventSplitter, TokenUsage, error_event, inspect_event
+from kvik.gateway.sse import EventSplitter, TokenUsage, drop_null_usage, error_event, inspect_event
 from kvik.protocol.errors import error_from_exception
 
 
@@ -65,6 +67,10 @@ class StreamRelay:
         """The events of one upstream read that go to the client."""
         out = []
         for event in self._splitter.feed(raw):
+            if not self._keep_usage_chunk:
+                # The client did not ask for usage: no `"usage": null` on its chunks either (and
+                # the common chunk then skips JSON parsing in `inspect_event`).
+                event = drop_null_usage(event)
             info = inspect_event(event)
             if info.usage is not None:
                 self.usage = info.usage

@@ -18,7 +18,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvik.core.errors import InvalidRequestError, KvikError, RequestTooLargeError
+from kvik.core.errors import InvalidRequestError, KvikError, QuotaExceededError, RequestTooLargeError
 from kvik.gateway.auth import Principal
 from kvik.gateway.cache import policy
 from kvik.gateway.cache.backend import CachedResponse
@@ -85,7 +85,11 @@ class ProxyService:
         pool = state.router.resolve(body["model"])
         log.model = pool.name
         state.auth.authorize_model(log.principal, pool.name)
-        state.auth.check_budget(log.principal)
+        try:
+            state.auth.check_budget(log.principal)
+        except QuotaExceededError:
+            state.metrics.rate_limited.labels("budget").inc()
+            raise
         await state.limiter.admit(log.principal)
         body = await self._apply_guardrails(body, pool, log)
 
@@ -116,6 +120,9 @@ class ProxyService:
             await self._charge(log)
             if cache is not None and cache_key is not None:
                 await cache.put(cache_key, CachedResponse(200, answer.content_type, (answer.body,)))
+        elif answer.retry_after is not None:
+            # Every replica was overloaded (or the answer is the replica's own 429): pass on its hint.
+            headers["retry-after"] = answer.retry_after
         self._finish(log, answer.status)
         return Response(answer.body, status_code=answer.status, media_type=answer.content_type, headers=headers)
 

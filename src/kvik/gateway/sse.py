@@ -5,10 +5,15 @@ and drop the usage chunk it asked for on the client's behalf; it never waits for
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
 DONE = b"[DONE]"
+# A `"usage": null` member with its separating comma. With include_usage on, upstreams such as
+# kvik serve and vLLM put it on every chunk; inside a JSON string the quotes would be escaped, so
+# these patterns only ever match the object's own members.
+_NULL_USAGE = re.compile(rb'\s*,\s*"usage"\s*:\s*null(?=\s*[,}])|"usage"\s*:\s*null\s*,\s*')
 
 
 @dataclass(slots=True, frozen=True)
@@ -48,6 +53,14 @@ class EventSplitter:
     def remainder(self) -> bytes:
         rest, self._buffer = self._buffer, b""
         return rest
+
+
+def drop_null_usage(event: bytes) -> bytes:
+    """The event without `"usage": null` members: the relay removes what an upstream added only
+    because the gateway, not the client, asked for the usage chunk."""
+    if b'"usage"' not in event:
+        return event
+    return _NULL_USAGE.sub(b"", event)
 
 
 def event_data(event: bytes) -> bytes | None:

@@ -1,0 +1,335 @@
+"""The gateway in front of two real `kvik serve` replicas on the tiny Llama model.
+
+Every process is real and on 127.0.0.1: two `kvik serve --log-prompts` replicas (started once for
+the module, side by side), one `kvik gateway`, and the test as the client. What the replicas did is
+read from the replicas themselves, never from the gateway: `kvik:request_success_total` on their
+`/metrics` (one per finished request, n=1 here) and the JSON line each writes per request, which
+with `--log-prompts` holds the prompt text it received (chat prompts after the chat template).
+
+The failover test kills a replica with SIGKILL and restarts it on the same port, so it runs last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.gateway.harness import Gateway, GatewayFactory, KvikServe, free_port, model_config, wait_for
+
+pytest.importorskip("torch")  # the replicas are kvik serve, which needs torch (the gateway does not)
+
+# A replica is ready in about 5 s (the harness runs them without the compiled CPU kernel); the
+# bounds leave room for a machine much busier than that.
+pytestmark = pytest.mark.timeout(300)
+READY_TIMEOUT_S = 120.0
+MAX_TOKENS = 4
+
+EMAIL = "jane.doe@example.com"
+CARD = "4111 1111 1111 1111"
+# Long enough to fill more than one 16-token KV block, so later turns can hit the prefix cache.
+SYSTEM_PROMPT = ("You are the terse assistant of the kvik gateway prefix affinity test. Answer every "
+                 "question in one short sentence and never repeat the question.")
+
+
+@pytest.fixture(scope="module")
+def replicas(tiny_llama: Path, workdir: Path) -> Iterator[list[KvikServe]]:
+    """Two kvik serve replicas of the tiny Llama, loading in parallel; one gets killed and restarted."""
+    pair = [KvikServe(name, tiny_llama, free_port(), workdir) for name in ("r1", "r2")]
+    try:
+        for replica in pair:
+            replica.launch()
+        for replica in pair:
+            replica.wait_ready(READY_TIMEOUT_S)
+            replica.warm_up()
+        yield pair
+    finally:
+        for replica in pair:
+            replica.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(gateways: GatewayFactory, replicas: list[KvikServe]) -> Gateway:
+    return gateways.start({
+        "models": [model_config("tiny", replicas, aliases=["tiny-latest"]),
+                   model_config("tiny-affine", replicas, balancing="prefix_affinity")],
+        "guardrails": {"pii": {"enabled": True}},
+        # The documented breaker defaults, with a short sleep window to keep the test short. Probes
+        # need 3 misses to mark a replica down, so the breaker (passive ejection) acts first.
+        "breaker": {"volume_threshold": 20, "error_threshold_percent": 50, "sleep_window_s": 2.0},
+        "health": {"interval_s": 0.5, "timeout_s": 1.0, "unhealthy_after": 3},
+    }, name="kvik-serve")
+
+
+def create_key(gateway: Gateway, **spec: Any) -> dict[str, Any]:
+    """The admin API's answer: the key's public fields plus its secret (`key`)."""
+    with gateway.admin() as admin:
+        response = admin.post("/admin/keys", json={"name": "kvik-serve-e2e", **spec})
+    assert response.status_code == 201, response.text
+    return response.json()
+
+
+@pytest.fixture(scope="module")
+def key(gateway: Gateway) -> str:
+    return create_key(gateway)["key"]
+
+
+def chat(model: str, content: str, **extra: Any) -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": MAX_TOKENS,
+            **extra}
+
+
+def served(replicas: list[KvikServe]) -> dict[str, int]:
+    return {replica.name: replica.requests_served() for replica in replicas}
+
+
+def delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    return {name: after[name] - before[name] for name in after}
+
+
+def times_logged(replicas: list[KvikServe], text: str) -> dict[str, int]:
+    return {replica.name: len(replica.prompts_containing(text)) for replica in replicas}
+
+
+async def send_many(url: str, key: str, bodies: list[dict[str, Any]], concurrency: int, *,
+                    after: int | None = None, action: Callable[[], None] | None = None
+                    ) -> list[httpx.Response]:
+    """POST `bodies` to /v1/chat/completions, `concurrency` at a time; call `action()` once `after`
+    of them have finished."""
+    limit = asyncio.Semaphore(concurrency)
+    finished = 0
+    async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {key}"},
+                                 timeout=60) as client:
+        async def one(body: dict[str, Any]) -> httpx.Response:
+            nonlocal finished
+            async with limit:
+                response = await client.post("/v1/chat/completions", json=body)
+            finished += 1
+            if action is not None and finished == after:
+                action()
+            return response
+
+        return await asyncio.gather(*(one(body) for body in bodies))
+
+
+def sse_payloads(lines: Iterator[str]) -> list[str]:
+    return [line[len("data: "):] for line in lines if line.startswith("data: ")]
+
+
+def test_keys_wrong_key_is_401_and_an_allowed_key_works_end_to_end(gateway: Gateway,
+                                                                  replicas: list[KvikServe]) -> None:
+    before = served(replicas)
+    with gateway.client("kvik-not-a-real-key") as client:
+        wrong = client.post("/v1/chat/completions", json=chat("tiny", "who am I?"))
+    with gateway.client() as client:
+        missing = client.post("/v1/chat/completions", json=chat("tiny", "who am I?"))
+    assert (wrong.status_code, missing.status_code) == (401, 401)
+    assert wrong.json()["error"]["code"] == "invalid_api_key"
+    restricted = create_key(gateway, name="affine-only", models=["tiny-affine"])
+    with gateway.client(restricted["key"]) as client:
+        forbidden = client.post("/v1/chat/completions", json=chat("tiny", "not my model"))
+    assert forbidden.status_code == 403 and forbidden.json()["error"]["code"] == "model_not_allowed"
+    assert delta(served(replicas), before) == {"r1": 0, "r2": 0}  # refused at the door
+
+    allowed = create_key(gateway, name="allowed", models=["tiny"])
+    with gateway.client(allowed["key"]) as client:
+        response = client.post("/v1/chat/completions", json=chat("tiny-latest", "hello through the gateway"))
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    assert answer["object"] == "chat.completion" and answer["model"] == "tiny"
+    assert answer["choices"][0]["message"]["role"] == "assistant"
+    usage = answer["usage"]
+    assert usage["prompt_tokens"] > 0 and 1 <= usage["completion_tokens"] <= MAX_TOKENS
+    assert sum(delta(served(replicas), before).values()) == 1
+    # The usage row charges the key exactly what the replica reported.
+    with gateway.admin() as admin:
+        rows = admin.get("/admin/usage", params={"key_id": allowed["id"]}).json()["data"]
+    assert [(r["model"], r["requests"], r["prompt_tokens"], r["completion_tokens"]) for r in rows] == [
+        ("tiny", 1, usage["prompt_tokens"], usage["completion_tokens"])]
+
+
+def test_streaming_is_relayed_with_the_usage_chunk(gateway: Gateway, replicas: list[KvikServe]) -> None:
+    streaming_key = create_key(gateway, name="streaming")
+    with gateway.client(streaming_key["key"]) as client:
+        with client.stream("POST", "/v1/chat/completions", json=chat(
+                "tiny", "stream to me", stream=True, stream_options={"include_usage": True})) as response:
+            assert response.status_code == 200
+            assert response.headers["content-type"].startswith("text/event-stream")
+            with_usage = sse_payloads(response.iter_lines())
+        with client.stream("POST", "/v1/chat/completions",
+                           json=chat("tiny", "stream again", stream=True)) as response:
+            assert response.status_code == 200
+            without_usage = sse_payloads(response.iter_lines())
+
+    assert with_usage[-1] == "[DONE]"
+    chunks = [json.loads(payload) for payload in with_usage[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    usage_chunk = chunks[-1]
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["prompt_tokens"] > 0
+    assert 1 <= usage_chunk["usage"]["completion_tokens"] <= MAX_TOKENS
+    assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]][-1] in ("length", "stop")
+
+    # Not asked for: the gateway still requests the usage chunk upstream (to count tokens) but
+    # passes on neither it nor the `"usage": null` kvik serve then adds to every chunk.
+    assert without_usage[-1] == "[DONE]"
+    plain = [json.loads(payload) for payload in without_usage[:-1]]
+    assert plain and all(c["choices"] and "usage" not in c for c in plain)
+    with gateway.admin() as admin:
+        rows = admin.get("/admin/usage", params={"key_id": streaming_key["id"]}).json()["data"]
+    assert rows[0]["requests"] == 2 and rows[0]["errors"] == 0
+    assert rows[0]["prompt_tokens"] > usage_chunk["usage"]["prompt_tokens"]  # both streams counted
+    assert rows[0]["completion_tokens"] >= 2
+
+
+def test_least_outstanding_spreads_200_requests_within_20_percent(gateway: Gateway, key: str,
+                                                                 replicas: list[KvikServe]) -> None:
+    before = served(replicas)
+    started = time.monotonic()
+    # 8 tokens each: long enough that a replica's brief stall on the busy test machine averages out.
+    bodies = [chat("tiny", f"spread {i}", max_tokens=8) for i in range(200)]
+    responses = asyncio.run(send_many(gateway.url, key, bodies, 8))
+    elapsed = time.monotonic() - started
+    assert [r.status_code for r in responses] == [200] * 200
+    split = delta(served(replicas), before)
+    print(f"\nleast_outstanding: 200 requests in {elapsed:.1f} s, per replica {split}")
+    assert sum(split.values()) == 200
+    assert all(80 <= n <= 120 for n in split.values()), split  # within 20 % of 100 each
+
+
+def test_prefix_affinity_keeps_each_conversation_on_one_replica(gateway: Gateway, key: str,
+                                                                replicas: list[KvikServe]) -> None:
+    homes: dict[str, set[str]] = {}
+    with gateway.client(key) as client:
+        for conversation in range(16):
+            marker = f"conversation-{secrets.token_hex(4)}"
+            messages = [{"role": "system", "content": SYSTEM_PROMPT},
+                        {"role": "user", "content": f"{marker}: what is a gateway?"}]
+            for turn in range(3):
+                response = client.post("/v1/chat/completions", json={
+                    "model": "tiny-affine", "messages": messages, "max_tokens": MAX_TOKENS})
+                assert response.status_code == 200, response.text
+                messages += [response.json()["choices"][0]["message"],
+                             {"role": "user", "content": f"and what about turn {turn + 1}?"}]
+            logged = times_logged(replicas, marker)
+            homes[marker] = {name for name, count in logged.items() if count}
+            assert sum(logged.values()) == 3, logged
+    print("\nprefix_affinity: conversations per replica",
+          {r.name: sum(1 for home in homes.values() if home == {r.name}) for r in replicas})
+    assert all(len(home) == 1 for home in homes.values()), homes
+    assert set().union(*homes.values()) == {"r1", "r2"}  # the conversations still use both replicas
+    # The point of affinity: the home replica's prefix cache serves the later turns.
+    for marker, home in homes.items():
+        replica = next(r for r in replicas if r.name in home)
+        entries = [e for e in replica.request_log() if marker in json.dumps(e.get("prompt"))]
+        assert all(e["cached_tokens"] > 0 for e in entries[1:]), entries
+
+
+def test_cache_hits_a_repeated_greedy_request_and_never_a_sampled_one(gateway: Gateway, key: str,
+                                                                      replicas: list[KvikServe]) -> None:
+    greedy = f"greedy {secrets.token_hex(4)}"
+    before = served(replicas)
+    with gateway.client(key) as client:
+        first = client.post("/v1/chat/completions", json=chat("tiny", greedy, temperature=0))
+        second = client.post("/v1/chat/completions", json=chat("tiny", greedy, temperature=0))
+        via_alias = client.post("/v1/chat/completions", json=chat("tiny-latest", greedy, temperature=0))
+        opted_out = client.post("/v1/chat/completions", json=chat("tiny", greedy, temperature=0),
+                                headers={"x-kvik-cache": "no-store"})
+    assert [r.status_code for r in (first, second, via_alias, opted_out)] == [200] * 4
+    assert [r.headers["x-kvik-cache"] for r in (first, second, via_alias, opted_out)] == [
+        "miss", "hit", "hit", "bypass"]
+    assert second.content == first.content == via_alias.content
+    # The replicas saw the greedy request twice in all: the miss and the opted-out one.
+    assert sum(delta(served(replicas), before).values()) == 2
+    assert sum(times_logged(replicas, greedy).values()) == 2
+
+    sampled = f"sampled {secrets.token_hex(4)}"
+    before = served(replicas)
+    with gateway.client(key) as client:
+        answers = [client.post("/v1/chat/completions", json=chat("tiny", sampled, **extra))
+                   for extra in ({}, {"temperature": 0.8}, {})]
+    assert [(r.status_code, r.headers["x-kvik-cache"]) for r in answers] == [(200, "bypass")] * 3
+    assert sum(delta(served(replicas), before).values()) == 3
+    assert sum(times_logged(replicas, sampled).values()) == 3
+
+    streamed = f"streamed {secrets.token_hex(4)}"
+    with gateway.client(key) as client:
+        answers = [client.post("/v1/chat/completions", json=chat("tiny", streamed, temperature=0, stream=True))
+                   for _ in range(2)]
+    assert [r.headers["x-kvik-cache"] for r in answers] == ["miss", "hit"]
+    assert answers[0].content == answers[1].content and answers[1].text.rstrip().endswith("data: [DONE]")
+    assert answers[1].headers["content-type"].startswith("text/event-stream")
+    assert sum(times_logged(replicas, streamed).values()) == 1
+
+    seeded = f"seeded {secrets.token_hex(4)}"
+    with gateway.client(key) as client:
+        answers = [client.post("/v1/chat/completions", json=chat("tiny", seeded, temperature=0.8, seed=7))
+                   for _ in range(2)]
+    assert [r.headers["x-kvik-cache"] for r in answers] == ["miss", "hit"]
+    assert sum(times_logged(replicas, seeded).values()) == 1
+
+
+def test_email_and_card_never_reach_the_replicas(gateway: Gateway, key: str, replicas: list[KvikServe]) -> None:
+    marker = f"pii-{secrets.token_hex(4)}"
+    secret_text = f"{marker} write to {EMAIL} and charge card {CARD} please"
+    with gateway.client(key) as client:
+        chat_answer = client.post("/v1/chat/completions", json=chat("tiny", secret_text))
+        streamed = client.post("/v1/chat/completions", json=chat("tiny", secret_text, stream=True))
+        completion = client.post("/v1/completions", json={"model": "tiny", "prompt": secret_text,
+                                                          "max_tokens": MAX_TOKENS})
+    assert (chat_answer.status_code, streamed.status_code, completion.status_code) == (200, 200, 200)
+
+    prompts = [p for r in replicas for p in r.prompts_containing(marker)]
+    assert len(prompts) == 3, prompts  # each request reached a replica once ...
+    for prompt in prompts:  # ... with the redacted text
+        assert "write to [EMAIL] and charge card [CARD] please" in prompt
+    for replica in replicas:  # and the originals appear nowhere in the replicas' logs
+        log = replica.log_path.read_text(errors="replace")
+        assert EMAIL not in log and CARD not in log and CARD.replace(" ", "") not in log
+
+
+def test_kill9_during_load_every_request_succeeds_and_the_breaker_cycles(
+        gateway: Gateway, key: str, replicas: list[KvikServe]) -> None:
+    alive, victim = replicas
+    wait_for(lambda: all(r["healthy"] and r["breaker"] == "closed" for r in gateway.replicas().values()))
+    alive_before = alive.requests_served()
+    retries_before = gateway.metric("kvik_gateway_retries_total", model="tiny")
+    bodies = [chat("tiny", f"failover {i}") for i in range(100)]
+    responses = asyncio.run(send_many(gateway.url, key, bodies, 8, after=25, action=victim.kill9))
+
+    statuses = [r.status_code for r in responses]
+    assert statuses == [200] * 100, [(r.status_code, r.text) for r in responses if r.status_code != 200]
+    retries = gateway.metric("kvik_gateway_retries_total", model="tiny") - retries_before
+    victim_served = sum(1 for e in victim.request_log() if "failover " in json.dumps(e.get("prompt")))
+    print(f"\nfailover: 100/100 succeeded; {alive.requests_served() - alive_before} served by the survivor, "
+          f"{victim_served} by the victim before SIGKILL; {retries:.0f} retries")
+    assert retries >= 1
+    assert gateway.metric("kvik_gateway_breaker_transitions_total", model="tiny", replica=victim.url,
+                          state="open") >= 1
+    assert gateway.replicas()[victim.url]["breaker"] in ("open", "half_open")
+
+    restarted_at = time.monotonic()
+    victim.start(timeout=READY_TIMEOUT_S)  # the same port, a fresh process
+
+    def closed_again() -> bool:
+        with gateway.client(key) as client:
+            assert client.post("/v1/chat/completions", json=chat("tiny", "are you back?")).status_code == 200
+        state = gateway.replicas()[victim.url]
+        return state["healthy"] and state["breaker"] == "closed"
+
+    wait_for(closed_again, timeout=60, interval=0.2)
+    print(f"failover: breaker closed {time.monotonic() - restarted_at:.1f} s after the restart began")
+    assert gateway.metric("kvik_gateway_breaker_state", model="tiny", replica=victim.url) == 0
+    assert gateway.metric("kvik_gateway_breaker_transitions_total", model="tiny", replica=victim.url,
+                          state="closed") >= 1
+    assert victim.requests_served() >= 1  # the restarted replica takes traffic again
+    with gateway.admin() as admin:
+        assert admin.get("/health").json()["available_replicas"] == {"tiny": 2, "tiny-affine": 2}
+
