@@ -38,8 +38,8 @@ def assert_openai_error(response, status: int, error_type: str, code: str | None
 
 
 def test_wrong_or_missing_key_is_401(gateway: Gateway) -> None:
-    assert_openai_error(ask(gateway, "kvik-not-a-real-key"), 401, "authentication_error", "invalid_api_key")
-    assert_openai_error(ask(gateway, None), 401, "authentication_error")
+    assert_openai_error(ask(gateway, "kvik-not-a-real-key"), 401, "invalid_request_error", "invalid_api_key")
+    assert_openai_error(ask(gateway, None), 401, "invalid_request_error")
 
 
 def test_key_not_allowed_the_model_is_403(gateway: Gateway) -> None:
@@ -95,7 +95,7 @@ def test_admin_api_manages_keys_and_reports_usage(gateway: Gateway) -> None:
     with gateway.client(user_key) as client:
         assert_openai_error(client.get("/admin/keys"), 403, "permission_error")
     with gateway.client("kvik-wrong") as client:
-        assert_openai_error(client.get("/admin/keys"), 401, "authentication_error")
+        assert_openai_error(client.get("/admin/keys"), 401, "invalid_request_error")
 
     with gateway.admin() as admin:
         created = admin.post("/admin/keys", json={"name": "carol", "models": ["tiny"], "rpm": 100, "tpm": 10000})
@@ -120,7 +120,7 @@ def test_admin_api_manages_keys_and_reports_usage(gateway: Gateway) -> None:
         revoked = admin.delete(f"/admin/keys/{key_id}")
         assert revoked.status_code == 200 and revoked.json()["revoked_at"] is not None
         assert_openai_error(admin.delete("/admin/keys/key_nope"), 404, "invalid_request_error")
-    assert_openai_error(ask(gateway, secret), 401, "authentication_error")
+    assert_openai_error(ask(gateway, secret), 401, "invalid_request_error")
 
 
 def test_cli_manages_keys_in_the_same_database(gateway: Gateway) -> None:

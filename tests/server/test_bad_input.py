@@ -73,6 +73,13 @@ def test_over_long_prompt_names_limit_and_counts(server):
     assert "600 tokens (100 in the prompt, 500 in the completion)" in error["message"]
 
 
+def test_over_long_conversation_names_messages(server):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "word " * 600}]}
+    error = assert_error(post(server, "chat/completions", json=body), 400, param="messages",
+                         code="context_length_exceeded")
+    assert "512" in error["message"]
+
+
 def test_token_ids_outside_vocabulary(server):
     assert_error(post(server, "completions", json={"model": "tiny", "prompt": [1, 99999]}), 400,
                  param="prompt")

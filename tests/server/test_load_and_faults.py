@@ -140,7 +140,7 @@ def test_api_key(server_factory):
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit"}):
         response = httpx.get(f"{server.base_url}/models", headers=headers)
         assert response.status_code == 401
-        assert response.json()["error"]["type"] == "authentication_error"
+        assert response.json()["error"]["type"] == "invalid_request_error"
     client = openai.OpenAI(base_url=server.base_url, api_key="sekrit", max_retries=0)
     assert client.completions.create(model="tiny", prompt="hi", max_tokens=2).choices
     with pytest.raises(openai.AuthenticationError):

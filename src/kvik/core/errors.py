@@ -46,7 +46,7 @@ class AuthenticationError(KvikError):
     """Missing or wrong API key (HTTP 401)."""
 
     http_status = 401
-    error_type = "authentication_error"
+    error_type = "invalid_request_error"  # what OpenAI sends with code invalid_api_key
     code = "invalid_api_key"
 
 

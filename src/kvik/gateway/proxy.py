@@ -94,7 +94,11 @@ class UpstreamProxy:
                 replica.finish_attempt(Outcome.NEUTRAL)
                 raise
             if answer.status in RETRY_STATUSES or answer.status >= 500:
-                await answer.finish(Outcome.FAILURE if answer.status >= 500 else Outcome.NEUTRAL)
+                # A 503 with Retry-After is a healthy replica saying it is full (kvik serve's
+                # admission control): retry elsewhere, but do not count it against its breaker.
+                overloaded = answer.status == 503 and answer.retry_after is not None
+                failed = answer.status >= 500 and not overloaded
+                await answer.finish(Outcome.FAILURE if failed else Outcome.NEUTRAL)
                 last_answer, last_reason = answer, f"status_{answer.status}"
                 continue
             if not answer.streaming:

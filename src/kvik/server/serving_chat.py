@@ -77,11 +77,12 @@ class ChatServing:
             prompt_ids = tokenizer.encode(text, add_special_tokens=False)
         except Exception as exc:  # e.g. lone surrogates the tokenizer cannot encode
             raise InvalidRequestError(f"messages: could not be tokenized ({exc})", param="messages")
-        llm.validate_prompt(prompt_ids)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if requested == 0:
             raise InvalidRequestError("max_tokens: must be at least 1 for chat", param="max_tokens")
+        # The context check first, so an over-long conversation names `messages`, not `prompt`.
         max_tokens = resolve_max_tokens(requested, len(prompt_ids), llm.max_model_len, "messages")
+        llm.validate_prompt(prompt_ids)
         top_k = body.top_logprobs or 0
         params = sampling_params(body, max_tokens, llm.model_config.vocab_size,
                                  logprobs=top_k if body.logprobs else None)

@@ -22,25 +22,38 @@ _module: Any = None
 _tried = False
 
 
-def _cpu_fingerprint() -> str:
-    """Built with -march=native: a cache shared between different CPUs must not mix binaries."""
+def _fingerprint(source: bytes) -> str:
+    """Names a build: the source, torch's version, and the CPU (it is built with -march=native, so
+    a cache shared between different machines must not mix binaries)."""
     import hashlib
     import platform
 
-    flags = platform.machine()
+    import torch
+
+    digest = hashlib.sha256(source + torch.__version__.encode() + platform.machine().encode())
     try:
         with open("/proc/cpuinfo") as cpuinfo:
-            flags += next((line for line in cpuinfo if line.startswith("flags")), "")
+            digest.update(next((line for line in cpuinfo if line.startswith("flags")), "").encode())
     except OSError:
         pass
-    return hashlib.sha256(flags.encode()).hexdigest()[:10]
+    return digest.hexdigest()[:12]
 
 
-def _build_dir() -> Path:
+def _staged_source() -> tuple[str, Path]:
+    """Copy the kernel source into a build directory named by its fingerprint. Every checkout then
+    compiles the same path in the same place, so ninja finds the build up to date instead of
+    rebuilding whenever another checkout's path was used last."""
+    source = resources.files("kvik.model.layers").joinpath("csrc/paged_attention_cpu.cpp").read_bytes()
     root = os.environ.get("KVIK_CACHE_DIR") or Path.home() / ".cache" / "kvik"
-    path = Path(root) / "torch_extensions"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    name = f"kvik_paged_attention_cpu_{_fingerprint(source)}"
+    build_dir = Path(root) / "torch_extensions" / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    staged = build_dir / "paged_attention_cpu.cpp"
+    if not staged.is_file() or staged.read_bytes() != source:
+        scratch = build_dir / f".paged_attention_cpu.{os.getpid()}.cpp"
+        scratch.write_bytes(source)
+        scratch.replace(staged)  # atomic: a concurrent build never sees half a file
+    return name, staged
 
 
 def cpu_attention_kernels() -> Any:
@@ -57,10 +70,9 @@ def cpu_attention_kernels() -> Any:
         try:
             from torch.utils.cpp_extension import load
 
-            source = resources.files("kvik.model.layers").joinpath("csrc/paged_attention_cpu.cpp")
-            _module = load(name=f"kvik_paged_attention_cpu_{_cpu_fingerprint()}", sources=[str(source)],
-                           extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                           extra_ldflags=["-fopenmp"], build_directory=str(_build_dir()), verbose=False)
+            name, source = _staged_source()
+            _module = load(name=name, sources=[str(source)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                           extra_ldflags=["-fopenmp"], build_directory=str(source.parent), verbose=False)
         except Exception as exc:  # no compiler, no ninja, unsupported platform
             logger.warning("CPU attention kernel unavailable, using the PyTorch path (%s)", exc)
             _module = None
