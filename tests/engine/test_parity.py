@@ -67,13 +67,12 @@ def test_batched_greedy_matches_hf(arch_case):
     assert all(o.outputs[0].finish_reason == "length" for o in outputs)
 
 
-def test_pytorch_attention_path_matches_hf(arch_case):
-    """The same batch with the compiled CPU decode kernel switched off."""
+def test_plain_pytorch_path_matches_hf(arch_case, monkeypatch):
+    """The same batch without oneDNN packing and compiled kernels (KVIK_CPU_KERNELS=0)."""
     _, path, _, prompts, reference = arch_case
+    monkeypatch.setenv("KVIK_CPU_KERNELS", "0")
     llm = LLM(str(path), show_progress=False)
-    for attention in llm.engine.model.attention_layers():
-        attention.decode_kernel = None
-    llm.engine.runner.uses_cpu_kernel = False
+    assert llm.engine.cpu_kernels is None
     assert_matches(llm.generate(prompts, greedy()), reference)
 
 

@@ -6,12 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvik.model.layers.cpu_kernels import cpu_attention_kernels
+from kvik.model.layers.cpu_kernels import cpu_kernels
 
 
 @pytest.fixture(scope="module")
 def kernels():
-    module = cpu_attention_kernels()
+    module = cpu_kernels()
     if module is None:
         pytest.skip("no C++ toolchain: the PyTorch path is used instead")
     return module

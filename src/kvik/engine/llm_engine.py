@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -28,6 +29,9 @@ from kvik.engine.request import Request, RequestGroup, RequestStatus
 from kvik.engine.sampler import Sampler, prompt_logprobs_for
 from kvik.engine.scheduler import Scheduler, SchedulerOutput
 from kvik.model.loader import load_model, load_model_config, resolve_model_path
+from kvik.model.layers.cpu_kernels import cpu_kernels
+from kvik.model.transforms.cpu_fused_ops import enable_cpu_fused_ops
+from kvik.model.transforms.onednn_linear import onednn_available, pack_linears_for_onednn
 
 logger = logging.getLogger("kvik.engine")
 
@@ -68,6 +72,17 @@ class LLMEngine:
         loaded = load_model(path, cfg, self.device, self.dtype, show_progress=args.show_progress)
         self.model = loaded.model
         self.weight_bytes = loaded.weight_bytes
+        # On CPU float32: oneDNN on prepacked weights for every linear, and compiled kernels for
+        # decode attention, norms, rotary and SiLU. KVIK_CPU_KERNELS=0 keeps plain PyTorch.
+        kernels = None
+        if (self.device.type == "cpu" and self.dtype == torch.float32
+                and os.environ.get("KVIK_CPU_KERNELS", "1") != "0"):
+            if onednn_available():
+                pack_linears_for_onednn(self.model)
+            kernels = cpu_kernels()
+            if kernels is not None:
+                enable_cpu_fused_ops(self.model, kernels)
+        self.cpu_kernels = kernels
         logger.info("loaded %s (%s, %.1f MiB) on %s as %s in %.1fs", path, cfg.architecture,
                     loaded.weight_bytes / 2**20, self.device, self.dtype, time.perf_counter() - started)
 
@@ -75,7 +90,8 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.runner = ModelRunner(self.model, self.kv, num_layers=cfg.num_layers,
                                   num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                                  device=self.device, dtype=self.dtype)
+                                  device=self.device, dtype=self.dtype,
+                                  cpu_kernels=kernels)
         self.scheduler = Scheduler(self.kv, args.max_num_seqs, self.max_num_batched_tokens,
                                    args.enable_chunked_prefill)
         eos = list(dict.fromkeys(cfg.eos_token_ids + ([self.tokenizer.eos_token_id]

@@ -9,10 +9,12 @@ that asked for prompt logprobs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
+from kvik.engine.device import advise_huge_pages
 from kvik.engine.kv_manager import KVCacheManager
 from kvik.engine.scheduler import ScheduledChunk
 from kvik.model.layers.attention import AttentionMetadata, PrefillSpan
@@ -38,7 +40,7 @@ class RunnerOutput:
 class ModelRunner:
     def __init__(self, model: nn.Module, kv: KVCacheManager, *, num_layers: int, num_kv_heads: int,
                  head_dim: int, device: torch.device, dtype: torch.dtype,
-                 use_cpu_kernels: bool = True) -> None:
+                 cpu_kernels: Any = None) -> None:
         self.model = model
         self.kv = kv
         self.block_size = kv.block_size
@@ -46,14 +48,13 @@ class ModelRunner:
         self.dtype = dtype
         num_blocks = kv.pool.num_blocks
         # One allocation for every layer: (layers, k/v, kv_heads, blocks, block_size, head_dim).
-        # Zeroed so that padding slots read by the batched gather are finite (masked afterwards).
-        self.kv_cache = torch.zeros(num_layers, 2, num_kv_heads, num_blocks, self.block_size, head_dim,
+        # Zeroed so that padding slots read by the batched gather are finite (masked afterwards);
+        # huge pages requested before the zeroing touches the memory.
+        self.kv_cache = torch.empty(num_layers, 2, num_kv_heads, num_blocks, self.block_size, head_dim,
                                     device=device, dtype=dtype)
-        kernel = None
-        if use_cpu_kernels and device.type == "cpu" and dtype == torch.float32:
-            from kvik.model.layers.cpu_kernels import cpu_attention_kernels
-
-            kernel = cpu_attention_kernels()
+        advise_huge_pages(self.kv_cache)
+        self.kv_cache.zero_()
+        kernel = cpu_kernels if device.type == "cpu" and dtype == torch.float32 else None
         self.uses_cpu_kernel = kernel is not None
         for layer_index, attention in enumerate(model.attention_layers()):
             attention.kv_cache = self.kv_cache[layer_index]

@@ -2,8 +2,10 @@
 
 Paged decode attention reads keys and values straight from the block pool, where the plain PyTorch
 path must first gather every sequence's blocks into a padded copy (three passes over the KV bytes
-instead of one, and padding to the longest sequence). If no compiler is available, or
-KVIK_CPU_KERNELS=0, the PyTorch path is used and results are the same.
+instead of one, and padding to the longest sequence). Fused norm, rotary and SiLU kernels replace
+chains of small ops (csrc/fused_ops_cpu.cpp). If no compiler is available, or
+KVIK_CPU_KERNELS=0 (which also turns off oneDNN weight packing), the PyTorch path is used and results
+are the same.
 """
 
 from __future__ import annotations
@@ -39,24 +41,31 @@ def _fingerprint(source: bytes) -> str:
     return digest.hexdigest()[:12]
 
 
-def _staged_source() -> tuple[str, Path]:
-    """Copy the kernel source into a build directory named by its fingerprint. Every checkout then
-    compiles the same path in the same place, so ninja finds the build up to date instead of
+SOURCES = ("paged_attention_cpu.cpp", "fused_ops_cpu.cpp")
+
+
+def _staged_sources() -> tuple[str, list[Path]]:
+    """Copy the kernel sources into a build directory named by their fingerprint. Every checkout
+    then compiles the same paths in the same place, so ninja finds the build up to date instead of
     rebuilding whenever another checkout's path was used last."""
-    source = resources.files("kvik.model.layers").joinpath("csrc/paged_attention_cpu.cpp").read_bytes()
+    package = resources.files("kvik.model.layers").joinpath("csrc")
+    sources = {name: package.joinpath(name).read_bytes() for name in SOURCES}
     root = os.environ.get("KVIK_CACHE_DIR") or Path.home() / ".cache" / "kvik"
-    name = f"kvik_paged_attention_cpu_{_fingerprint(source)}"
+    name = f"kvik_cpu_kernels_{_fingerprint(b''.join(sources.values()))}"
     build_dir = Path(root) / "torch_extensions" / name
     build_dir.mkdir(parents=True, exist_ok=True)
-    staged = build_dir / "paged_attention_cpu.cpp"
-    if not staged.is_file() or staged.read_bytes() != source:
-        scratch = build_dir / f".paged_attention_cpu.{os.getpid()}.cpp"
-        scratch.write_bytes(source)
-        scratch.replace(staged)  # atomic: a concurrent build never sees half a file
+    staged = []
+    for file_name, content in sources.items():
+        target = build_dir / file_name
+        if not target.is_file() or target.read_bytes() != content:
+            scratch = build_dir / f".{file_name}.{os.getpid()}"
+            scratch.write_bytes(content)
+            scratch.replace(target)  # atomic: a concurrent build never sees half a file
+        staged.append(target)
     return name, staged
 
 
-def cpu_attention_kernels() -> Any:
+def cpu_kernels() -> Any:
     """The compiled module, or None when disabled or unavailable (logged once)."""
     global _module, _tried
     if _tried:
@@ -70,10 +79,14 @@ def cpu_attention_kernels() -> Any:
         try:
             from torch.utils.cpp_extension import load
 
-            name, source = _staged_source()
-            _module = load(name=name, sources=[str(source)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                           extra_ldflags=["-fopenmp"], build_directory=str(source.parent), verbose=False)
+            name, sources = _staged_sources()
+            # -ffast-math lets GCC vectorise expf through glibc's vector math library; the kernels
+            # never rely on infinities or NaNs (softmax subtracts the row maximum first).
+            _module = load(name=name, sources=[str(s) for s in sources],
+                           extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+                           extra_ldflags=["-fopenmp"], build_directory=str(sources[0].parent),
+                           verbose=False)
         except Exception as exc:  # no compiler, no ninja, unsupported platform
-            logger.warning("CPU attention kernel unavailable, using the PyTorch path (%s)", exc)
+            logger.warning("CPU kernels unavailable, using the PyTorch path (%s)", exc)
             _module = None
     return _module

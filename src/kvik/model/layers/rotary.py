@@ -56,9 +56,9 @@ class RotaryEmbedding(nn.Module):
         self.sin = emb.sin().to(device=device, dtype=dtype)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin (T, 1, D) for a batch's positions; looked up once per step, used by every
+        """cos and sin (T, D) for a batch's positions; looked up once per step, used by every
         layer."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        return self.cos[positions], self.sin[positions]
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor

@@ -9,6 +9,8 @@ applies the LM head to the rows that need logits only.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,17 +36,25 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
         self.qk_norm = cfg.qk_norm
         self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
+        self.fused_ops: Any = None  # compiled CPU kernels, set by transforms.cpu_fused_ops
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        num_tokens, heads, kv_heads, dim = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)
+        cos, sin = rope  # (T, D) each
+        if self.fused_ops is not None and not self.qk_norm:
+            # q and k heads sit side by side in the projection: rotate them all in one pass.
+            qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, heads + kv_heads, dim)
+            self.fused_ops.rotary_inplace(qk, cos, sin)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, heads, dim)
+        k = k.view(num_tokens, kv_heads, dim)
+        v = v.view(num_tokens, kv_heads, dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, *rope)
+        if self.fused_ops is None or self.qk_norm:
+            q, k = apply_rotary(q, k, cos.unsqueeze(1), sin.unsqueeze(1))
         return self.o_proj(self.attn(q, k, v, meta))
 
 
@@ -57,9 +67,15 @@ class LlamaMLP(nn.Module):
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        self.fused_ops: Any = None  # compiled CPU kernels, set by transforms.cpu_fused_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused_ops is not None:
+            activated = gate_up.new_empty(*gate_up.shape[:-1], self.intermediate_size)
+            self.fused_ops.silu_and_mul(activated, gate_up)
+            return self.down_proj(activated)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -72,9 +88,17 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(rope, self.input_layernorm(x), meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+                residual: torch.Tensor | None, meta: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output (not yet added); residual: the stream before it (None for
+        the first layer). Returns both, so the next norm can fuse the addition."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm.forward_residual(x, residual)
+        x = self.self_attn(rope, x, meta)
+        x, residual = self.post_attention_layernorm.forward_residual(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -89,9 +113,10 @@ class LlamaModel(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         rope = self.rotary[0].tables(positions)
+        residual = None
         for layer in self.layers:
-            x = layer(rope, x, meta)
-        return self.norm(x)
+            x, residual = layer(rope, x, residual, meta)
+        return self.norm.forward_residual(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

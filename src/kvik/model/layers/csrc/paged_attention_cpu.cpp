@@ -13,11 +13,17 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
-#include <limits>
 #include <vector>
 
 namespace {
+
+// Blocks of a sequence are scattered through the pool, so the hardware prefetcher restarts at every
+// block; asking for the next block while the current one is processed hides that latency.
+inline void prefetch_block(const float* block, int64_t floats) {
+  for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(block + i, 0, 1);
+}
 
 void decode_attention(const torch::Tensor& query, const torch::Tensor& key_cache,
                       const torch::Tensor& value_cache, const torch::Tensor& block_tables,
@@ -49,39 +55,55 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& key_cache
       const float* v_head = vc + kvh * num_blocks * block_size * dim;
       const int64_t* table = tables + b * max_blocks;
       scores.assign(group * len, 0.f);
-      // Pass 1: scores (G, len), one key row at a time.
-      for (int64_t t = 0; t < len; ++t) {
-        const float* k = k_head + (table[t / block_size] * block_size + t % block_size) * dim;
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qv = qg + g * dim;
-          float dot = 0.f;
+      const int64_t used_blocks = (len + block_size - 1) / block_size;
+      // Pass 1: scores (G, len), block by block (a block of one head is contiguous in memory).
+      for (int64_t blk = 0; blk < used_blocks; ++blk) {
+        const float* kb = k_head + table[blk] * block_size * dim;
+        if (blk + 1 < used_blocks) prefetch_block(k_head + table[blk + 1] * block_size * dim, block_size * dim);
+        const int64_t first = blk * block_size;
+        const int64_t count = std::min(block_size, len - first);
+        for (int64_t j = 0; j < count; ++j) {
+          const float* k = kb + j * dim;
+          for (int64_t g = 0; g < group; ++g) {
+            const float* qv = qg + g * dim;
+            float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < dim; ++d) dot += qv[d] * k[d];
-          scores[g * len + t] = dot * fscale;
+            for (int64_t d = 0; d < dim; ++d) dot += qv[d] * k[d];
+            scores[g * len + first + j] = dot * fscale;
+          }
         }
       }
       // Softmax per query head.
       for (int64_t g = 0; g < group; ++g) {
         float* s = scores.data() + g * len;
-        float peak = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < len; ++t) peak = std::max(peak, s[t]);
+        float peak = s[0];
+#pragma omp simd reduction(max : peak)
+        for (int64_t t = 1; t < len; ++t) peak = std::max(peak, s[t]);
         float total = 0.f;
+#pragma omp simd reduction(+ : total)
         for (int64_t t = 0; t < len; ++t) {
           s[t] = std::exp(s[t] - peak);
           total += s[t];
         }
         const float inv = 1.f / total;
+#pragma omp simd
         for (int64_t t = 0; t < len; ++t) s[t] *= inv;
       }
-      // Pass 2: weighted sum of value rows.
+      // Pass 2: weighted sum of value rows, block by block.
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < len; ++t) {
-        const float* v = v_head + (table[t / block_size] * block_size + t % block_size) * dim;
-        for (int64_t g = 0; g < group; ++g) {
-          const float w = scores[g * len + t];
-          float* a = acc.data() + g * dim;
+      for (int64_t blk = 0; blk < used_blocks; ++blk) {
+        const float* vb = v_head + table[blk] * block_size * dim;
+        if (blk + 1 < used_blocks) prefetch_block(v_head + table[blk + 1] * block_size * dim, block_size * dim);
+        const int64_t first = blk * block_size;
+        const int64_t count = std::min(block_size, len - first);
+        for (int64_t j = 0; j < count; ++j) {
+          const float* v = vb + j * dim;
+          for (int64_t g = 0; g < group; ++g) {
+            const float w = scores[g * len + first + j];
+            float* a = acc.data() + g * dim;
 #pragma omp simd
-          for (int64_t d = 0; d < dim; ++d) a[d] += w * v[d];
+            for (int64_t d = 0; d < dim; ++d) a[d] += w * v[d];
+          }
         }
       }
       float* og = o + (b * heads + kvh * group) * dim;
@@ -92,6 +114,9 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& key_cache
 
 }  // namespace
 
+void register_fused_ops(pybind11::module& m);  // fused_ops_cpu.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention (CPU, float32)");
+  register_fused_ops(m);
 }
