@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -108,8 +107,8 @@ def run_compare(config: CompareConfig) -> dict[str, Any]:
              f"({roofline.threads} threads)"]
     summary: dict[str, float] = {}
     if config.run_offline:
-        with tempfile.TemporaryDirectory(prefix="kvik-compare-") as tmp:
-            results = {system: run_system(config, system, Path(tmp)) for system in config.systems}
+        # Each system's JSON lands in the output directory as soon as it finishes.
+        results = {system: run_system(config, system, out_dir) for system in config.systems}
         report["offline"] = results
         lines += offline_lines(config, shape, roofline, results, summary)
         print("\n== single-stream decode", flush=True)

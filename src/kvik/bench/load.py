@@ -134,7 +134,11 @@ async def send_request(client: httpx.AsyncClient, url: str, headers: dict[str, s
                 if usage:
                     usage_tokens = usage.get("completion_tokens")
                     record.prompt_tokens = usage.get("prompt_tokens", record.prompt_tokens)
-                if is_token_chunk(payload, chat):
+                # A first chunk that already finishes carried the only token (kvik and vLLM send the
+                # last token with the finish reason; it may decode to no text on its own).
+                first_and_last = record.ttft_s is None and any(
+                    c.get("finish_reason") for c in payload.get("choices") or [])
+                if is_token_chunk(payload, chat) or first_and_last:
                     if record.ttft_s is None:
                         record.ttft_s = now - sent
                     else:

@@ -67,13 +67,17 @@ class LLM:
              use_tqdm: bool = False) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = []
+        texts, prompts = [], []
         for conversation in conversations:
             text = self.engine.tokenizer.apply_chat_template(
                 conversation, add_generation_prompt=add_generation_prompt, chat_template=chat_template)
+            texts.append(text)
             # The template already wrote any special tokens the model expects.
             prompts.append(self.engine.tokenizer.encode(text, add_special_tokens=False))
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        for output, text in zip(outputs, texts):
+            output.prompt = text
+        return outputs
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
