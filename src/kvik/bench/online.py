@@ -84,6 +84,14 @@ class OnlineConfig:
     prefix_concurrency: int = 4
 
 
+def _spec_for_rate(spec: WorkloadSpec, rate: float) -> WorkloadSpec:
+    """The workload at one rate: its own seed, so one kvik server serving the whole sweep cannot
+    answer later rates from prompts cached at earlier ones (the naive server has no cache)."""
+    return WorkloadSpec(kind=spec.kind, num_prompts=spec.num_prompts, input_len_range=spec.input_len_range,
+                        output_len_range=spec.output_len_range, prefix_len=spec.prefix_len,
+                        question_len=spec.question_len, seed=int(rate * 1000))
+
+
 def _run(url: str, spec: WorkloadSpec, label: str, rate: float, out: Path,
          concurrency: int | None = None) -> dict[str, Any]:
     config = LoadConfig(base_url=url, model="m", request_rate=rate, max_concurrency=concurrency,
@@ -104,12 +112,14 @@ def run_online(config: OnlineConfig) -> dict[str, Any]:
     with running_server(kvik_command(config.model, port, "--kv-cache-memory", config.kv_cache_memory),
                         port, config.out_dir / "kvik-server.log") as url:
         for rate in config.kvik_rates:
-            doc = _run(url, spec, "kvik", rate, config.out_dir / f"online-kvik-{rate:g}.json")
+            doc = _run(url, _spec_for_rate(spec, rate), "kvik", rate,
+                       config.out_dir / f"online-kvik-{rate:g}.json")
             results["kvik"][rate] = doc["summary"]
     port = free_port()
     with running_server(naive_command(config.model, port), port, config.out_dir / "naive-server.log") as url:
         for rate in config.naive_rates:
-            doc = _run(url, spec, "naive", rate, config.out_dir / f"online-naive-{rate:g}.json")
+            doc = _run(url, _spec_for_rate(spec, rate), "naive", rate,
+                       config.out_dir / f"online-naive-{rate:g}.json")
             results["naive"][rate] = doc["summary"]
     return results
 
