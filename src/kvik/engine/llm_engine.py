@@ -72,6 +72,8 @@ class LLMEngine:
         loaded = load_model(path, cfg, self.device, self.dtype, show_progress=args.show_progress)
         self.model = loaded.model
         self.weight_bytes = loaded.weight_bytes
+        logger.info("loaded %s (%s, %.1f MiB) on %s as %s in %.1fs", path, cfg.architecture,
+                    loaded.weight_bytes / 2**20, self.device, self.dtype, time.perf_counter() - started)
         # On CPU float32: oneDNN on prepacked weights for every linear, and compiled kernels for
         # decode attention, norms, rotary and SiLU. KVIK_CPU_KERNELS=0 keeps plain PyTorch.
         kernels = None
@@ -83,8 +85,6 @@ class LLMEngine:
             if kernels is not None:
                 enable_cpu_fused_ops(self.model, kernels)
         self.cpu_kernels = kernels
-        logger.info("loaded %s (%s, %.1f MiB) on %s as %s in %.1fs", path, cfg.architecture,
-                    loaded.weight_bytes / 2**20, self.device, self.dtype, time.perf_counter() - started)
 
         num_blocks = self._num_kv_blocks()
         self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)

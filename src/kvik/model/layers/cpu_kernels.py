@@ -80,6 +80,8 @@ def cpu_kernels() -> Any:
             from torch.utils.cpp_extension import load
 
             name, sources = _staged_sources()
+            if not (sources[0].parent / f"{name}.so").is_file():
+                logger.info("compiling kvik's CPU kernels (first run on this machine, about 30 s) ...")
             # -ffast-math lets GCC vectorise expf through glibc's vector math library; the kernels
             # never rely on infinities or NaNs (softmax subtracts the row maximum first).
             _module = load(name=name, sources=[str(s) for s in sources],
