@@ -36,6 +36,13 @@ def _best_time(fn: Callable[[], Any], repeats: int) -> float:
     return best
 
 
+def read_bandwidth(buffer: torch.Tensor, repeats: int = 5) -> float:
+    """Bytes/s of streaming `buffer` (far larger than the caches) once through a reduction, the
+    least work a read of memory can do: the ceiling for anything that only reads, such as decoding
+    weights."""
+    return buffer.numel() * buffer.element_size() / _best_time(lambda: buffer.sum(), repeats)
+
+
 def measure_roofline(repeats: int = 5, gemm_size: int = 2048, stream_bytes: int = 2**30) -> Roofline:
     a = torch.randn(gemm_size, gemm_size)
     b = torch.randn(gemm_size, gemm_size)
@@ -55,7 +62,7 @@ def measure_roofline(repeats: int = 5, gemm_size: int = 2048, stream_bytes: int 
         pass
     flops = 2 * gemm_size**3 / gemm
     big = torch.ones(stream_bytes // 4)
-    read = _best_time(lambda: big.sum(), repeats)
+    read = stream_bytes / read_bandwidth(big, repeats)
     target = torch.empty_like(big)
     copy = _best_time(lambda: target.copy_(big), repeats)
     return Roofline(matmul_flops=flops, read_bandwidth=stream_bytes / read,
