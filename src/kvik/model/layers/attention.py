@@ -72,11 +72,14 @@ class PagedAttention(nn.Module):
         out = q.new_empty(num_tokens, self.num_heads, self.head_dim)
         num_decodes = meta.num_decodes
         if num_decodes and self.decode_kernel is not None:
-            attended = torch.empty(num_decodes, self.num_heads, self.head_dim, dtype=q.dtype)
+            # A batch of decodes only (the common step) lets the kernel write the output directly.
+            attended = out if num_decodes == num_tokens else q.new_empty(num_decodes, self.num_heads,
+                                                                          self.head_dim)
             self.decode_kernel.decode_attention(q[:num_decodes].contiguous(), k_cache, v_cache,
                                                 meta.decode_block_tables, meta.decode_seq_lens,
                                                 self.scale, attended)
-            out[:num_decodes] = attended
+            if attended is not out:
+                out[:num_decodes] = attended
         elif num_decodes:
             keys = self._gather(k_cache, meta.decode_block_tables)  # (B, Hkv, L, D)
             values = self._gather(v_cache, meta.decode_block_tables)
