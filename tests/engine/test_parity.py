@@ -67,6 +67,17 @@ def test_batched_greedy_matches_hf(arch_case):
     assert all(o.outputs[0].finish_reason == "length" for o in outputs)
 
 
+def test_small_batches_match_hf(arch_case):
+    """Steps of 1-4 decodes take the small-batch path: the GEMV on packed weights and, for the
+    Llama family without q/k norm, the compiled stack of all layers in one call."""
+    arch, _, llm, prompts, reference = arch_case
+    if llm.engine.cpu_kernels is not None and arch in ("llama", "qwen2", "mistral"):
+        assert llm.engine.model.model.decode_stack is not None
+    for group in ([0], [2, 4, 6], [1, 3, 5, 7]):
+        outputs = llm.generate([prompts[i] for i in group], greedy(logprobs=3))
+        assert_matches(outputs, [reference[i] for i in group], check_logprobs=True)
+
+
 def test_plain_pytorch_path_matches_hf(arch_case, monkeypatch):
     """The same batch without oneDNN packing and compiled kernels (KVIK_CPU_KERNELS=0)."""
     _, path, _, prompts, reference = arch_case

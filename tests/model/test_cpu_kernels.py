@@ -36,3 +36,24 @@ def test_decode_kernel_matches_sdpa(kernels, heads, kv_heads, block_size):
     expected = F.scaled_dot_product_attention(query.unsqueeze(2), keys, values, attn_mask=mask,
                                               scale=dim**-0.5, enable_gqa=heads != kv_heads).squeeze(2)
     assert torch.allclose(out, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("out_features,in_features,bias", [(1280, 768, False), (100, 70, True), (64, 16, True)])
+def test_packed_gemv_matches_linear(kernels, out_features, in_features, bias):
+    from kvik.model.transforms.onednn_linear import OneDNNLinear, onednn_available, packed_gemv_layout
+
+    if not onednn_available():
+        pytest.skip("this torch build has no oneDNN")
+    layout = packed_gemv_layout(out_features, in_features)
+    if layout is None:
+        pytest.skip("oneDNN packs this shape in a layout the GEMV kernel does not read")
+    torch.manual_seed(out_features)
+    linear = torch.nn.Linear(in_features, out_features, bias=bias)
+    packed = OneDNNLinear(linear)
+    assert packed.enable_gemv(kernels, layout)
+    with torch.inference_mode():
+        for rows in (1, 2, 3, 4, 5, 9):  # 5 and 9 rows take oneDNN's path
+            x = torch.randn(rows, in_features)
+            assert torch.allclose(packed(x), linear(x), rtol=1e-4, atol=1e-4)
+        x = torch.randn(2, 1, in_features)  # any leading shape
+        assert packed(x).shape == (2, 1, out_features)

@@ -79,9 +79,9 @@ class LLMEngine:
         kernels = None
         if (self.device.type == "cpu" and self.dtype == torch.float32
                 and os.environ.get("KVIK_CPU_KERNELS", "1") != "0"):
-            if onednn_available():
-                pack_linears_for_onednn(self.model)
             kernels = cpu_kernels()
+            if onednn_available():
+                pack_linears_for_onednn(self.model, kernels)
             if kernels is not None:
                 enable_cpu_fused_ops(self.model, kernels)
         self.cpu_kernels = kernels

@@ -18,6 +18,7 @@ from kvik.engine.device import advise_huge_pages
 from kvik.engine.kv_manager import KVCacheManager
 from kvik.engine.scheduler import ScheduledChunk
 from kvik.model.layers.attention import AttentionMetadata, PrefillSpan
+from kvik.model.transforms.cpu_fused_ops import enable_decode_stack
 
 
 @dataclass(slots=True)
@@ -59,6 +60,8 @@ class ModelRunner:
         for layer_index, attention in enumerate(model.attention_layers()):
             attention.kv_cache = self.kv_cache[layer_index]
             attention.decode_kernel = kernel
+        if kernel is not None:
+            enable_decode_stack(model, kernel)
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,

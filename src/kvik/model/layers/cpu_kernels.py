@@ -3,7 +3,9 @@
 Paged decode attention reads keys and values straight from the block pool, where the plain PyTorch
 path must first gather every sequence's blocks into a padded copy (three passes over the KV bytes
 instead of one, and padding to the longest sequence). Fused norm, rotary and SiLU kernels replace
-chains of small ops (csrc/fused_ops_cpu.cpp). If no compiler is available, or
+chains of small ops (csrc/fused_ops_cpu.cpp). A matrix-vector kernel reads oneDNN's packed weights
+for decodes of 1-4 rows (csrc/gemv_cpu.cpp), and for such steps a Llama-family model runs all its
+layers in one call (csrc/decode_stack_cpu.cpp). If no compiler is available, or
 KVIK_CPU_KERNELS=0 (which also turns off oneDNN weight packing), the PyTorch path is used and results
 are the same.
 """
@@ -41,7 +43,8 @@ def _fingerprint(source: bytes) -> str:
     return digest.hexdigest()[:12]
 
 
-SOURCES = ("paged_attention_cpu.cpp", "fused_ops_cpu.cpp")
+SOURCES = ("paged_attention_cpu.cpp", "fused_ops_cpu.cpp", "gemv_cpu.cpp", "decode_stack_cpu.cpp")
+HEADERS = ("kernels.h",)
 
 
 def _staged_sources() -> tuple[str, list[Path]]:
@@ -49,7 +52,7 @@ def _staged_sources() -> tuple[str, list[Path]]:
     then compiles the same paths in the same place, so ninja finds the build up to date instead of
     rebuilding whenever another checkout's path was used last."""
     package = resources.files("kvik.model.layers").joinpath("csrc")
-    sources = {name: package.joinpath(name).read_bytes() for name in SOURCES}
+    sources = {name: package.joinpath(name).read_bytes() for name in SOURCES + HEADERS}
     root = os.environ.get("KVIK_CACHE_DIR") or Path.home() / ".cache" / "kvik"
     name = f"kvik_cpu_kernels_{_fingerprint(b''.join(sources.values()))}"
     build_dir = Path(root) / "torch_extensions" / name
@@ -61,7 +64,8 @@ def _staged_sources() -> tuple[str, list[Path]]:
             scratch = build_dir / f".{file_name}.{os.getpid()}"
             scratch.write_bytes(content)
             scratch.replace(target)  # atomic: a concurrent build never sees half a file
-        staged.append(target)
+        if file_name in SOURCES:
+            staged.append(target)
     return name, staged
 
 

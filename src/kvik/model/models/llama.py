@@ -108,11 +108,19 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        # The compiled stack of all layers for steps of up to `decode_stack_rows` decodes
+        # (transforms.cpu_fused_ops.enable_decode_stack); the modules below compute the same.
+        self.decode_stack: Any = None
+        self.decode_stack_rows = 0
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         rope = self.rotary[0].tables(positions)
+        if self.decode_stack is not None and meta.num_decodes == x.shape[0] <= self.decode_stack_rows:
+            x, residual = self.decode_stack.forward(x, *rope, meta.slot_mapping, meta.decode_block_tables,
+                                                    meta.decode_seq_lens)
+            return self.norm.forward_residual(x, residual)[0]
         residual = None
         for layer in self.layers:
             x, residual = layer(rope, x, residual, meta)

@@ -11,6 +11,8 @@
 
 #include <cmath>
 
+#include "kernels.h"
+
 namespace {
 
 constexpr int64_t kGrain = 8;  // rows per parallel task: small rows, avoid scheduling overhead
@@ -21,6 +23,10 @@ inline float inv_rms(const float* x, int64_t n, float eps) {
   for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
   return 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
 }
+
+}  // namespace
+
+namespace kvik {
 
 void rms_norm(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weight, double eps) {
   TORCH_CHECK(x.is_contiguous() && out.is_contiguous() && weight.is_contiguous(), "contiguous inputs");
@@ -103,11 +109,11 @@ void silu_and_mul(torch::Tensor& out, const torch::Tensor& gate_up) {
   });
 }
 
-}  // namespace
+}  // namespace kvik
 
 void register_fused_ops(pybind11::module& m) {
-  m.def("rms_norm", &rms_norm, "out = rms_norm(x) * weight");
-  m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = rms_norm(residual) * weight");
-  m.def("rotary_inplace", &rotary_inplace, "neox-style rotary embedding, in place");
-  m.def("silu_and_mul", &silu_and_mul, "out = silu(gate) * up");
+  m.def("rms_norm", &kvik::rms_norm, "out = rms_norm(x) * weight");
+  m.def("fused_add_rms_norm", &kvik::fused_add_rms_norm, "residual += x; x = rms_norm(residual) * weight");
+  m.def("rotary_inplace", &kvik::rotary_inplace, "neox-style rotary embedding, in place");
+  m.def("silu_and_mul", &kvik::silu_and_mul, "out = silu(gate) * up");
 }

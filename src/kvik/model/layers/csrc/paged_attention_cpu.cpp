@@ -17,6 +17,8 @@
 #include <cmath>
 #include <vector>
 
+#include "kernels.h"
+
 namespace {
 
 // Blocks of a sequence are scattered through the pool, so the hardware prefetcher restarts at every
@@ -24,6 +26,10 @@ namespace {
 inline void prefetch_block(const float* block, int64_t floats) {
   for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(block + i, 0, 1);
 }
+
+}  // namespace
+
+namespace kvik {
 
 void decode_attention(const torch::Tensor& query, const torch::Tensor& key_cache,
                       const torch::Tensor& value_cache, const torch::Tensor& block_tables,
@@ -112,11 +118,15 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& key_cache
   });
 }
 
-}  // namespace
+}  // namespace kvik
 
 void register_fused_ops(pybind11::module& m);  // fused_ops_cpu.cpp
+void register_gemv(pybind11::module& m);       // gemv_cpu.cpp
+void register_decode_stack(pybind11::module& m);  // decode_stack_cpu.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "paged decode attention (CPU, float32)");
+  m.def("decode_attention", &kvik::decode_attention, "paged decode attention (CPU, float32)");
   register_fused_ops(m);
+  register_gemv(m);
+  register_decode_stack(m);
 }
