@@ -105,12 +105,24 @@ def _packed_floats(packed: torch.Tensor) -> torch.Tensor:
     return torch.frombuffer(buffer, dtype=torch.float32)
 
 
-@functools.lru_cache(maxsize=None)
+# Weights above this many elements are probed with fewer rows (the same remainder modulo 512): the
+# probe packs two index matrices of its shape, which for a large LM head would be gigabytes.
+PROBE_MAX_ELEMENTS = 2**24
+
+
 def packed_gemv_layout(out_features: int, in_features: int) -> tuple[int, int] | None:
     """(block, in_stride) if oneDNN packs an out x in weight as [blocks][in_stride][block], the
     layout gemv_packed reads; None otherwise. The layout depends on the CPU and the shape, so it is
     read off by packing matrices that hold their own row and column indices (exact in float32 below
-    2**24) and checking where every element landed."""
+    2**24) and checking where every element landed. Large weights are probed at a smaller row count;
+    enable_gemv then checks the kernel against oneDNN on the real weight."""
+    if out_features * in_features > PROBE_MAX_ELEMENTS and out_features > 1024:
+        out_features = 512 + out_features % 512
+    return _probe_layout(out_features, in_features)
+
+
+@functools.lru_cache(maxsize=None)
+def _probe_layout(out_features: int, in_features: int) -> tuple[int, int] | None:
     if max(out_features, in_features) >= 2**24:
         return None
     placed = []
