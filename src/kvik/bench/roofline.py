@@ -18,10 +18,6 @@ class Roofline:
     copy_bandwidth: float  # bytes/s moved by a large copy (read + write counted)
     threads: int
 
-    @property
-    def bandwidth(self) -> float:
-        return max(self.read_bandwidth, self.copy_bandwidth)
-
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -34,13 +30,6 @@ def _best_time(fn: Callable[[], Any], repeats: int) -> float:
         fn()
         best = min(best, time.perf_counter() - started)
     return best
-
-
-def read_bandwidth(buffer: torch.Tensor, repeats: int = 5) -> float:
-    """Bytes/s of streaming `buffer` (far larger than the caches) once through a reduction, the
-    least work a read of memory can do: the ceiling for anything that only reads, such as decoding
-    weights."""
-    return buffer.numel() * buffer.element_size() / _best_time(lambda: buffer.sum(), repeats)
 
 
 def measure_roofline(repeats: int = 5, gemm_size: int = 2048, stream_bytes: int = 2**30) -> Roofline:
@@ -62,7 +51,7 @@ def measure_roofline(repeats: int = 5, gemm_size: int = 2048, stream_bytes: int 
         pass
     flops = 2 * gemm_size**3 / gemm
     big = torch.ones(stream_bytes // 4)
-    read = stream_bytes / read_bandwidth(big, repeats)
+    read = _best_time(lambda: big.sum(), repeats)
     target = torch.empty_like(big)
     copy = _best_time(lambda: target.copy_(big), repeats)
     return Roofline(matmul_flops=flops, read_bandwidth=stream_bytes / read,
