@@ -180,9 +180,10 @@ def run_compare(config: CompareConfig) -> dict[str, Any]:
 
 def offline_lines(config: CompareConfig, shape: ModelShape, roofline: Roofline,
                   results: dict[str, dict[str, Any]], summary: dict[str, float]) -> list[str]:
-    lines = ["\noffline (useful prompt+output tokens per second):"]
+    lines = ["\noffline (useful prompt+output tokens per second; output tokens alone after):"]
     for system, result in results.items():
         lines.append(f"  {system:<16} {result['useful_tokens_per_second']:9.1f} tok/s   "
+                     f"{result['output_tokens_per_second']:7.1f} output tok/s   "
                      f"{result['seconds']:7.1f} s   peak RSS {result['peak_rss_bytes'] / 2**30:.2f} GiB")
     kvik = results.get("kvik")
     baselines = [r["useful_tokens_per_second"] for s, r in results.items() if s != "kvik"]
