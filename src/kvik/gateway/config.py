@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlparse
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from kvik.core.config_files import read_config_file
 from kvik.core.errors import ConfigError
 
 BALANCING_STRATEGIES = ("least_outstanding", "weighted_round_robin", "prefix_affinity")
@@ -221,14 +221,7 @@ class GatewayConfig(_Section):
 def load_config(path: str | os.PathLike[str], *, overrides: dict[str, Any] | None = None) -> GatewayConfig:
     """Read, validate and resolve a gateway YAML file; raise `ConfigError` naming the bad field."""
     path = Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping with at least `models:`")
+    raw = read_config_file(path)
     raw.update(overrides or {})
     return parse_config(raw, base_dir=path.parent)
 
