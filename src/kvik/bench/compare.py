@@ -109,7 +109,7 @@ def single_stream_decode(model: str, bytes_per_token: int, prompt_len: int = 64,
     return {"decode_tokens_per_second": tokens / sum(decode_times),
             "read_bandwidth": bytes_per_token * tokens / sum(read_times),
             "decode_bandwidth_fraction": sum(read_times) / sum(decode_times),
-            "window_fractions": window_fractions}
+            "window_tokens": size, "window_fractions": window_fractions}
 
 
 def run_decode(model: str, bytes_per_token: int, workdir: Path) -> dict[str, Any]:
@@ -152,7 +152,7 @@ def run_compare(config: CompareConfig) -> dict[str, Any]:
         low, high = min(report["decode"]["window_fractions"]), max(report["decode"]["window_fractions"])
         lines.append(f"\nsingle-stream decode: {decode:.1f} tok/s = {achieved_bw / 1e9:.1f} GB/s of weights; "
                      f"reads paired with its steps: {report['decode']['read_bandwidth'] / 1e9:.1f} GB/s "
-                     f"(32-token windows: {100 * low:.0f}-{100 * high:.0f} %)")
+                     f"({report['decode']['window_tokens']}-token windows: {100 * low:.0f}-{100 * high:.0f} %)")
         lines.append(ratio_line("decode bandwidth / paired read bandwidth",
                                 100 * summary["decode_bandwidth_fraction"], 80, "%"))
     online_config = OnlineConfig(config.model, out_dir, list(config.kvik_rates), list(config.naive_rates),
