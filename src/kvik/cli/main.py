@@ -20,6 +20,7 @@ SUBCOMMAND_MODULES = [
     "kvik.cli.bench",
     "kvik.cli.data",
     "kvik.cli.train",
+    "kvik.cli.build_kernels",
 ]
 
 
