@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "LLM": "kvik.engine.llm",
-    "AsyncEngine": "kvik.engine.async_engine",
+    "AsyncLLM": "kvik.engine.async_llm",
     "EngineArgs": "kvik.core.config",
     "SamplingParams": "kvik.core.sampling_params",
     "RequestOutput": "kvik.core.outputs",
@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # pragma: no cover  (names served lazily by __getattr__)
     from kvik.core.config import EngineArgs  # noqa: F401
     from kvik.core.outputs import CompletionOutput, RequestOutput  # noqa: F401
     from kvik.core.sampling_params import SamplingParams  # noqa: F401
-    from kvik.engine.async_engine import AsyncEngine  # noqa: F401
+    from kvik.engine.async_llm import AsyncLLM  # noqa: F401
     from kvik.engine.llm import LLM  # noqa: F401
 
 

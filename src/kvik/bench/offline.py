@@ -113,7 +113,7 @@ def run_kvik(model: str, workload: Workload, engine_args: dict[str, Any]) -> Off
     llm = LLM(model, **engine_args)
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in workload.max_tokens]
-    engine = llm.engine
+    engine = llm.engine.core
     with RssSampler() as rss:
         started = time.perf_counter()
         outputs = llm.generate(workload.prompts, params, use_tqdm=True)

@@ -26,11 +26,18 @@ class LLM:
     def __init__(self, model: str, **engine_args: Any) -> None:
         self.engine = LLMEngine(EngineArgs.from_kwargs(model, **engine_args))
         self._ids = itertools.count()
+        self._hf_tokenizer: Any = None
 
     @property
     def tokenizer(self) -> Any:
-        """The HF tokenizer of the model."""
-        return self.engine.tokenizer.hf
+        """The HF (transformers) tokenizer of the model, loaded on first use."""
+        if self._hf_tokenizer is None:
+            from transformers import AutoTokenizer
+
+            args = self.engine.core.args
+            self._hf_tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or self.engine.info.model_path,
+                                                               revision=args.revision)
+        return self._hf_tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

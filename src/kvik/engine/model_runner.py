@@ -15,7 +15,6 @@ import torch
 from torch import nn
 
 from kvik.engine.device import advise_huge_pages
-from kvik.engine.kv_manager import KVCacheManager
 from kvik.engine.scheduler import ScheduledChunk
 from kvik.model.layers.attention import AttentionMetadata, PrefillSpan
 from kvik.model.transforms.cpu_fused_ops import enable_decode_stack
@@ -39,15 +38,13 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, kv: KVCacheManager, *, num_layers: int, num_kv_heads: int,
-                 head_dim: int, device: torch.device, dtype: torch.dtype,
+    def __init__(self, model: nn.Module, *, num_blocks: int, block_size: int, num_layers: int,
+                 num_kv_heads: int, head_dim: int, device: torch.device, dtype: torch.dtype,
                  cpu_kernels: Any = None) -> None:
         self.model = model
-        self.kv = kv
-        self.block_size = kv.block_size
+        self.block_size = block_size
         self.device = device
         self.dtype = dtype
-        num_blocks = kv.pool.num_blocks
         # One allocation for every layer: (layers, k/v, kv_heads, blocks, block_size, head_dim).
         # Zeroed so that padding slots read by the batched gather are finite (masked afterwards);
         # huge pages requested before the zeroing touches the memory.
@@ -116,16 +113,15 @@ class ModelRunner:
         slots: list[int] = []
         for chunk in decodes:  # scalar bookkeeping is cheapest for single tokens
             position = chunk.start
-            table = self.kv.block_tables[chunk.request.seq_id]
             ids.append(chunk.request.all_token_ids[position])
             pos.append(position)
-            slots.append(table[position // size].block_id * size + position % size)
+            slots.append(chunk.block_ids[position // size] * size + position % size)
         parts_ids = [torch.tensor(ids, dtype=torch.long)]
         parts_pos = [torch.tensor(pos, dtype=torch.long)]
         parts_slots = [torch.tensor(slots, dtype=torch.long)]
         for chunk in prefills:
             positions = torch.arange(chunk.start, chunk.end)
-            table = torch.tensor(self.kv.block_ids(chunk.request), dtype=torch.long)
+            table = torch.tensor(chunk.block_ids, dtype=torch.long)
             parts_ids.append(torch.tensor(chunk.request.all_token_ids[chunk.start:chunk.end]))
             parts_pos.append(positions)
             parts_slots.append(table[positions // size] * size + positions % size)
@@ -138,7 +134,7 @@ class ModelRunner:
         size, device = self.block_size, self.device
         meta = AttentionMetadata(slot_mapping=slots, num_decodes=len(decodes))
         if decodes:
-            tables = [self.kv.block_ids(c.request) for c in decodes]
+            tables = [c.block_ids for c in decodes]
             # Only the blocks that hold tokens so far; later blocks of a table are still empty.
             lengths = [c.start + 1 for c in decodes]
             width = max(-(-n // size) for n in lengths)
@@ -154,7 +150,7 @@ class ModelRunner:
             span = PrefillSpan(offset, chunk.num_new_tokens, chunk.start, None, None)
             if chunk.start > 0:
                 total = chunk.end
-                blocks = self.kv.block_ids(chunk.request)[:-(-total // size)]
+                blocks = chunk.block_ids[:-(-total // size)]
                 span.block_table = torch.tensor(blocks, dtype=torch.long, device=device)
                 query_positions = torch.arange(chunk.start, chunk.end, device=device)
                 span.mask = torch.arange(total, device=device)[None, :] <= query_positions[:, None]

@@ -1,0 +1,264 @@
+"""`EngineCore`: the model, the KV cache, the scheduler and the sampler, in token ids only.
+
+One step reads schedule() -> execute() -> sample() -> update_from_output(). The core runs either in
+the caller's thread (the offline `LLM`, through `LLMEngine`) or in a process of its own behind a
+socket (`kvik serve`, through `kvik.engine.core_process`); it does not know which. It trusts the
+front end to have validated requests (`kvik.engine.input_processor`) and still refuses, one request
+at a time, anything that would break it.
+
+Not thread-safe: one thread drives it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+
+import torch
+
+from kvik.core.config import EngineArgs
+from kvik.core.errors import ConfigError, InsufficientMemoryError, InvalidRequestError
+from kvik.core.sampling_params import SamplingParams
+from kvik.core.tokenizer import TokenizerSpec
+from kvik.engine.device import default_kv_fraction, free_memory_bytes, select_device, select_dtype
+from kvik.engine.kv_manager import KVCacheManager
+from kvik.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineInfo, EngineStats
+from kvik.engine.model_runner import ModelRunner
+from kvik.engine.request import Request, RequestGroup, RequestStatus
+from kvik.engine.sampler import Sampler, prompt_logprobs_for
+from kvik.engine.scheduler import Scheduler
+from kvik.model.loader import load_model, load_model_config, resolve_model_path
+from kvik.model.layers.cpu_kernels import cpu_kernels
+from kvik.model.transforms.cpu_fused_ops import enable_cpu_fused_ops
+from kvik.model.transforms.onednn_linear import onednn_available, pack_linears_for_onednn
+
+logger = logging.getLogger("kvik.engine")
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+class EngineCore:
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        self.device = select_device(args.device)
+        self.dtype = select_dtype(args.dtype, self.device)
+        path = resolve_model_path(args.model, args.revision)
+        self.model_path = path
+        self.model_config = cfg = load_model_config(path)
+        self.tokenizer_spec = TokenizerSpec.from_pretrained(args.tokenizer or str(path), args.revision)
+        self.max_model_len = self._resolve_max_model_len()
+        self.max_num_batched_tokens = self._resolve_token_budget()
+
+        started = time.perf_counter()
+        loaded = load_model(path, cfg, self.device, self.dtype, show_progress=args.show_progress)
+        self.model = loaded.model
+        self.weight_bytes = loaded.weight_bytes
+        logger.info("loaded %s (%s, %.1f MiB) on %s as %s in %.1fs", path, cfg.architecture,
+                    loaded.weight_bytes / 2**20, self.device, self.dtype, time.perf_counter() - started)
+        # On CPU float32: oneDNN on prepacked weights for every linear, and compiled kernels for
+        # decode attention, norms, rotary and SiLU. KVIK_CPU_KERNELS=0 keeps plain PyTorch.
+        kernels = None
+        if (self.device.type == "cpu" and self.dtype == torch.float32
+                and os.environ.get("KVIK_CPU_KERNELS", "1") != "0"):
+            kernels = cpu_kernels()
+            if onednn_available():
+                pack_linears_for_onednn(self.model, kernels)
+            if kernels is not None:
+                enable_cpu_fused_ops(self.model, kernels)
+        self.cpu_kernels = kernels
+
+        num_blocks = self._num_kv_blocks()
+        self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        self.runner = ModelRunner(self.model, num_blocks=num_blocks, block_size=args.block_size,
+                                  num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+                                  head_dim=cfg.head_dim, device=self.device, dtype=self.dtype,
+                                  cpu_kernels=kernels)
+        spec_eos = [self.tokenizer_spec.eos_token_id] if self.tokenizer_spec.eos_token_id is not None else []
+        self.eos_token_ids = list(dict.fromkeys(cfg.eos_token_ids + spec_eos))
+        self.scheduler = Scheduler(self.kv, args.max_num_seqs, self.max_num_batched_tokens,
+                                   args.enable_chunked_prefill, eos_token_ids=frozenset(self.eos_token_ids),
+                                   max_model_len=self.max_model_len)
+        self.sampler = Sampler(cfg.vocab_size, self.eos_token_ids, self.device, seed=args.seed)
+        self.groups: dict[str, RequestGroup] = {}
+        self._arrival_counter = itertools.count()
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    # -- start-up sizing --
+
+    def _resolve_max_model_len(self) -> int:
+        cfg, requested = self.model_config, self.args.max_model_len
+        limit = cfg.max_position_embeddings
+        if cfg.sliding_window and cfg.sliding_window < limit:
+            # kvik has no sliding-window attention: within the window, full attention is exact.
+            logger.warning("model uses a sliding window of %d tokens; context capped to it",
+                           cfg.sliding_window)
+            limit = cfg.sliding_window
+        if requested is None:
+            return limit
+        if requested > limit:
+            raise ConfigError(f"max_model_len: {requested} exceeds the model's context length {limit}")
+        return requested
+
+    def _resolve_token_budget(self) -> int:
+        requested = self.args.max_num_batched_tokens
+        if not self.args.enable_chunked_prefill:
+            budget = requested or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_model_len)
+            if budget < self.max_model_len:
+                raise ConfigError(f"max_num_batched_tokens: {budget} is below max_model_len "
+                                  f"{self.max_model_len}; without chunked prefill a whole prompt "
+                                  "must fit one step")
+            return budget
+        return requested or DEFAULT_MAX_NUM_BATCHED_TOKENS
+
+    def _num_kv_blocks(self) -> int:
+        cfg, args = self.model_config, self.args
+        per_block = ModelRunner.bytes_per_block(cfg.num_layers, args.block_size, cfg.num_kv_heads,
+                                                cfg.head_dim, self.dtype)
+        free = free_memory_bytes(self.device)
+        if args.kv_cache_memory is not None:
+            budget = args.kv_cache_memory
+            if budget > free:
+                raise InsufficientMemoryError(
+                    f"kv_cache_memory: {budget / 2**20:.0f} MiB requested but only {free / 2**20:.0f} "
+                    f"MiB is free on {self.device} after loading the model "
+                    f"({self.weight_bytes / 2**20:.0f} MiB); lower --kv-cache-memory")
+        else:
+            budget = int(free * (args.kv_cache_fraction or default_kv_fraction(self.device)))
+        blocks_per_seq = -(-self.max_model_len // args.block_size)
+        num_blocks = budget // per_block
+        if num_blocks < blocks_per_seq:
+            raise InsufficientMemoryError(
+                f"the KV cache budget of {budget / 2**20:.1f} MiB holds {num_blocks} blocks of "
+                f"{args.block_size} tokens, but one sequence of max_model_len={self.max_model_len} needs "
+                f"{blocks_per_seq} ({blocks_per_seq * per_block / 2**20:.1f} MiB) next to the "
+                f"{self.weight_bytes / 2**20:.0f} MiB model; raise --kv-cache-memory or lower "
+                "--max-model-len")
+        # More blocks than every sequence slot can fill only feeds the prefix cache; stop there.
+        cap = 2 * args.max_num_seqs * blocks_per_seq
+        if num_blocks > cap:
+            num_blocks = cap
+        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", num_blocks, args.block_size,
+                    num_blocks * per_block / 2**20)
+        return num_blocks
+
+    def info(self) -> EngineInfo:
+        return EngineInfo(
+            model_path=str(self.model_path), architecture=self.model_config.architecture,
+            max_model_len=self.max_model_len, vocab_size=self.model_config.vocab_size,
+            eos_token_ids=list(self.eos_token_ids), num_kv_blocks=self.kv.pool.num_blocks,
+            block_size=self.args.block_size, max_num_seqs=self.args.max_num_seqs,
+            device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
+            weight_bytes=self.weight_bytes, tokenizer=self.tokenizer_spec)
+
+    def warm_up(self) -> None:
+        """One forward through every layer: the first step pays for lazy initialisation (allocator,
+        kernels) that a user's first request should not."""
+        params = SamplingParams(max_tokens=2, ignore_eos=True)
+        self.add_request(EngineCoreRequest("warmup", [1, 2, 3, 4], params, 2, time.time()))
+        while self.has_unfinished_requests():
+            self.step()
+        self.kv.pool.reset_prefix_cache()
+
+    # -- requests --
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Admit a validated request; raises InvalidRequestError (the request fails alone) if it
+        would break the engine anyway."""
+        request_id, token_ids, params = request.request_id, request.prompt_token_ids, request.params
+        if request_id in self.groups:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        vocab = self.model_config.vocab_size
+        if not token_ids or len(token_ids) >= self.max_model_len or \
+                any(not 0 <= t < vocab for t in token_ids):
+            raise InvalidRequestError(f"request {request_id}: prompt is empty, too long or has token ids "
+                                      "outside the vocabulary", param="prompt")
+        max_tokens = min(request.max_tokens, self.max_model_len - len(token_ids))
+        group = RequestGroup(request_id, list(token_ids), params, request.arrival_time,
+                             cache_salt=request.cache_salt.encode() if request.cache_salt else b"",
+                             salt_from_token=request.salt_from_token)
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None]
+        for index in range(params.n):
+            sequence = Request(
+                seq_id=f"{request_id}#{index}", group=group, index=index, params=params,
+                max_tokens=max_tokens, all_token_ids=list(token_ids), num_prompt_tokens=len(token_ids),
+                arrival_order=next(self._arrival_counter),
+                wants_prompt_logprobs=index == 0 and params.prompt_logprobs is not None,
+            )
+            if index > 0 and self.args.enable_prefix_caching:
+                sequence.wait_for_prompt_of = group.sequences[0]
+            group.sequences.append(sequence)
+            self.scheduler.add(sequence)
+        self.groups[request_id] = group
+        self.prompt_tokens_total += len(token_ids)
+
+    def abort(self, request_id: str, index: int = -1) -> bool:
+        """Stop a request's sequences (one, or all with index -1) and free their blocks now; False
+        if nothing was running under that id."""
+        group = self.groups.get(request_id)
+        if group is None:
+            return False
+        for sequence in group.sequences:
+            if (index < 0 or sequence.index == index) and not sequence.status.finished:
+                sequence.finish_reason = RequestStatus.FINISHED_ABORTED.value
+                self.scheduler.finish(sequence, RequestStatus.FINISHED_ABORTED)
+        if group.finished:
+            del self.groups[request_id]
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    def fail_all(self, message: str) -> list[EngineCoreOutput]:
+        """After a failed step: end every request with an error and free its blocks."""
+        outputs = []
+        for request_id, group in list(self.groups.items()):
+            for sequence in group.sequences:
+                if not sequence.status.finished:
+                    self.scheduler.finish(sequence, RequestStatus.FINISHED_ERROR)
+                    outputs.append(EngineCoreOutput(request_id, sequence.index, finish_reason="error",
+                                                    error=message))
+            del self.groups[request_id]
+        return outputs
+
+    def reset_prefix_cache(self) -> int:
+        return self.kv.pool.reset_prefix_cache()
+
+    # -- the step --
+
+    def step(self) -> list[EngineCoreOutput]:
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            return []
+        result = self.runner.execute(scheduled.chunks)
+        for piece in result.prompt_slices:
+            request = piece.chunk.request
+            group = request.group
+            targets = group.prompt_token_ids[piece.first_token:piece.first_token + piece.num_rows]
+            rows = result.logits[piece.row_start:piece.row_start + piece.num_rows]
+            group.prompt_logprobs.extend(prompt_logprobs_for(rows, targets, group.params.prompt_logprobs))
+            request.num_prompt_logprobs_done = piece.first_token + piece.num_rows - 1
+        requests: list[Request] = [chunk.request for chunk in result.sample_chunks]
+        sampled = self.sampler(result.logits[:len(requests)], requests)
+        self.generation_tokens_total += len(requests)
+        outputs = self.scheduler.update_from_output(
+            scheduled, {r: (t, lp) for r, t, lp in zip(requests, sampled.token_ids, sampled.logprobs)})
+        for output in outputs:
+            group = self.groups.get(output.request_id)
+            if group is not None and group.finished:
+                del self.groups[output.request_id]
+        return outputs
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.kv.usage, num_blocks=self.kv.pool.num_blocks,
+            num_free_blocks=self.kv.num_free_blocks(), prefix_cache_queries=self.kv.prefix_cache_queries,
+            prefix_cache_hits=self.kv.prefix_cache_hits, num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens=self.prompt_tokens_total, generation_tokens=self.generation_tokens_total,
+        )
