@@ -46,10 +46,10 @@ class ServerProcess:
 
 
 def start_server(model_dir: Path, log_dir: Path, *extra: str, name: str = "tiny",
-                 timeout: float = 90.0) -> ServerProcess:
+                 timeout: float = 90.0, env: dict[str, str] | None = None) -> ServerProcess:
     port = free_port()
     log_path = log_dir / f"server-{port}.log"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     command = [sys.executable, "-m", "kvik.cli.main", "serve", "--model", str(model_dir),
                "--port", str(port), "--served-model-name", name, "--max-model-len", "512", *extra]
     with open(log_path, "wb") as log:
@@ -74,8 +74,9 @@ def server_factory(tmp_path_factory, tiny_llama):
     started: list[ServerProcess] = []
     log_dir = tmp_path_factory.mktemp("server-logs")
 
-    def start(*extra: str, model_dir: Path | None = None, name: str = "tiny") -> ServerProcess:
-        server = start_server(model_dir or tiny_llama, log_dir, *extra, name=name)
+    def start(*extra: str, model_dir: Path | None = None, name: str = "tiny",
+              env: dict[str, str] | None = None) -> ServerProcess:
+        server = start_server(model_dir or tiny_llama, log_dir, *extra, name=name, env=env)
         started.append(server)
         return server
 

@@ -27,6 +27,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="seconds in-flight requests may take to finish after SIGTERM")
     server.add_argument("--max-body-bytes", type=int, default=16 * 2**20,
                         help="largest request body accepted (413 above)")
+    server.add_argument("--body-read-timeout", type=float, default=30.0,
+                        help="seconds a client may take to send its request body (408 after)")
+    server.add_argument("--trust-request-chat-template", action="store_true",
+                        help="let requests bring their own chat template (`chat_template`); off by "
+                             "default, since a template is code the server runs")
+    server.add_argument("--tokenizer-workers", type=int, default=2,
+                        help="processes that render chat templates and tokenize large requests off "
+                             "the event loop (0: everything on the event loop)")
+    server.add_argument("--tokenizer-timeout", type=float, default=20.0,
+                        help="seconds one template rendering or tokenization may take before its "
+                             "worker is killed and the request gets a 400")
+    server.add_argument("--engine-in-thread", action="store_true",
+                        help="run the engine core on a thread of the server process instead of its "
+                             "own process (debugging, comparisons; no isolation from the API server)")
     server.add_argument("--log-prompts", action="store_true",
                         help="include prompt text in the per-request log lines (off by default)")
     server.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -41,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
     from kvik.cli.demo_model import demo_model_path
     from kvik.core.config import EngineArgs
     from kvik.core.errors import ConfigError
+    from kvik.engine.preprocess_pool import PreprocessConfig
     from kvik.server.launcher import run_server
     from kvik.server.state import ServerConfig, ServerState
 
@@ -48,10 +63,15 @@ def run(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.max_waiting < 0:
         raise ConfigError("--max-waiting: must be >= 0")
+    if args.tokenizer_workers < 0 or args.tokenizer_timeout <= 0 or args.body_read_timeout <= 0:
+        raise ConfigError("--tokenizer-workers must be >= 0; --tokenizer-timeout and --body-read-timeout > 0")
     engine_args = EngineArgs.from_cli_args(args, default_model=args.model or demo_model_path())
     names = args.served_model_name or [args.model or "kvik-demo"]
     config = ServerConfig(served_model_names=names, api_key=args.api_key or os.environ.get("KVIK_API_KEY"),
                           max_waiting=args.max_waiting, drain_timeout=args.drain_timeout,
-                          max_body_bytes=args.max_body_bytes, log_prompts=args.log_prompts,
-                          max_num_seqs=engine_args.max_num_seqs)
-    return run_server(engine_args, ServerState(config), args.host, args.port, args.log_level)
+                          max_body_bytes=args.max_body_bytes, body_read_timeout=args.body_read_timeout,
+                          log_prompts=args.log_prompts, max_num_seqs=engine_args.max_num_seqs,
+                          trust_request_chat_template=args.trust_request_chat_template)
+    preprocess = PreprocessConfig(workers=args.tokenizer_workers, timeout=args.tokenizer_timeout)
+    return run_server(engine_args, ServerState(config), args.host, args.port, args.log_level,
+                      engine_in_thread=args.engine_in_thread, preprocess=preprocess)

@@ -7,6 +7,7 @@ A 500 means a bug, never bad input.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from typing import Any
@@ -18,12 +19,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvik import __version__
-from kvik.core.errors import AuthenticationError, KvikError, RequestTooLargeError
+from kvik.core.errors import AuthenticationError, InvalidRequestError, KvikError, RequestTooLargeError
 from kvik.protocol.errors import error_body, error_from_exception
 from kvik.server.routes import generation, models, ops, tokenize
-from kvik.server.serving_chat import ChatServing
-from kvik.server.serving_common import ClientDisconnected
-from kvik.server.serving_completions import CompletionServing
+from kvik.server.serving.chat import ChatServing
+from kvik.server.serving.completions import CompletionServing
+from kvik.server.serving.streams import ClientDisconnected
 from kvik.server.state import ServerState
 
 logger = logging.getLogger("kvik.server")
@@ -33,8 +34,10 @@ OPS_PATHS = frozenset({"/health", "/metrics"})
 
 
 class RequestGate:
-    """Pure ASGI middleware: refuses bodies over the size limit (413) and counts in-flight requests
-    for the graceful drain. Streaming responses count until their last byte."""
+    """Pure ASGI middleware in front of every route but /health and /metrics: reads the whole body
+    before the app sees it, refusing more than the size limit with 413 whether the client declared
+    it (Content-Length) or streams it chunked, and a client that sends it too slowly with 408; and
+    counts in-flight requests for the graceful drain (streaming responses until their last byte)."""
 
     def __init__(self, app: ASGIApp, state: ServerState) -> None:
         self.app = app
@@ -44,28 +47,63 @@ class RequestGate:
         if scope["type"] != "http" or scope["path"] in OPS_PATHS:
             await self.app(scope, receive, send)
             return
-        limit = self.state.config.max_body_bytes
+        config = self.state.config
         declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
+        if declared is not None and declared.isdigit() and int(declared) > config.max_body_bytes:
             await _send_error(send, RequestTooLargeError(
-                f"request body is {int(declared)} bytes; the limit is {limit}"))
+                f"request body is {int(declared)} bytes; the limit is {config.max_body_bytes}"))
             return
-        received = 0
-
-        async def counting_receive() -> Message:
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > limit:
-                    raise RequestTooLargeError(f"request body exceeds the limit of {limit} bytes")
-            return message
-
         self.state.request_started()
         try:
-            await self.app(scope, counting_receive, send)
+            try:
+                body = await asyncio.wait_for(_read_body(receive, config.max_body_bytes),
+                                              config.body_read_timeout)
+            except asyncio.TimeoutError:
+                await _send_error(send, _BodyTimeout(
+                    f"the request body did not arrive within {config.body_read_timeout:.0f} s"))
+                return
+            except KvikError as exc:
+                await _send_error(send, exc)
+                return
+            if body is None:  # the client left while sending
+                return
+            await self.app(scope, _replay(body, receive), send)
         finally:
             self.state.request_finished()
+
+
+class _BodyTimeout(InvalidRequestError):
+    http_status = 408
+    code = "request_timeout"
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes | None:
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise RequestTooLargeError(f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """The body as one message, then the real channel (for disconnects)."""
+    sent = False
+
+    async def replayed() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed
 
 
 async def _send_error(send: Send, exc: KvikError) -> None:
