@@ -25,13 +25,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                  "pkg://package/glob reads files shipped inside a package)")
     run_parser.add_argument("--text-field", default=None, help="JSONL/Parquet field with the text")
     run_parser.add_argument("--output", default=None, help="output directory")
-    run_parser.add_argument("--workers", type=int, default=None, help="worker processes")
+    run_parser.add_argument("--workers", type=int, default=None,
+                            help="worker processes of the local executor")
     run_parser.add_argument("--tokenizer", default=None,
                             help="existing HF tokenizer directory (default: train a BPE tokenizer)")
     run_parser.add_argument("--vocab-size", type=int, default=None,
                             help="vocabulary of the trained tokenizer")
     run_parser.add_argument("--val-fraction", type=float, default=None,
                             help="fraction of documents held out for validation")
+    run_parser.add_argument("--executor", choices=("local", "ray"), default="local",
+                            help="where cleaning and deduplication run: worker processes here "
+                                 "(local) or a Ray cluster (ray, needs kvik[ray] on every node); "
+                                 "the outputs are the same bytes either way")
+    run_parser.add_argument("--ray-address", default=None, metavar="ADDRESS",
+                            help="Ray cluster to join, e.g. 10.0.0.5:6379 (default: $RAY_ADDRESS, "
+                                 "else the latest cluster started here, else a new local one)")
+    run_parser.add_argument("--dedup-shards", type=int, default=None, metavar="N",
+                            help="ray: actors each dedup index is split into, exact by digest and "
+                                 "near by MinHash band (default: one per node)")
     run_parser.add_argument("--no-tokenize", action="store_true",
                             help="stop after cleaning (documents.jsonl, dropped.jsonl, report)")
     run_parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -62,11 +73,14 @@ def _overrides(args: argparse.Namespace, base: dict[str, Any]) -> dict[str, Any]
 
 def run(args: argparse.Namespace) -> int:
     from kvik.data.config import pipeline_config_from_dict, read_config_file
+    from kvik.data.executors import ExecutorSpec
     from kvik.data.pipeline import run_pipeline
 
     base = read_config_file(args.config) if args.config else {}
     config = pipeline_config_from_dict({**base, **_overrides(args, base)})
-    result = run_pipeline(config, tokenize=not args.no_tokenize, progress=not args.quiet)
+    executor = ExecutorSpec(args.executor, ray_address=args.ray_address, dedup_shards=args.dedup_shards)
+    result = run_pipeline(config, tokenize=not args.no_tokenize, progress=not args.quiet,
+                          executor=executor)
     print((result.output_dir / "report.txt").read_text(), end="")
     print(f"wrote {result.output_dir}")
     return 0
