@@ -25,6 +25,7 @@ from kvik.server.serving_chat import ChatServing
 from kvik.server.serving_common import ClientDisconnected
 from kvik.server.serving_completions import CompletionServing
 from kvik.server.state import ServerState
+from kvik.web import PageConfig, install_web
 
 logger = logging.getLogger("kvik.server")
 
@@ -122,6 +123,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(models.router, dependencies=keyed)
     app.include_router(tokenize.router, dependencies=keyed)
     app.include_router(ops.router)
+    install_web(app, PageConfig(product="server", conversations="browser"))
     app.add_middleware(RequestGate, state=state)
 
     @app.exception_handler(KvikError)
