@@ -448,8 +448,9 @@ function wireControls() {
   el.input.addEventListener('input', resizeInput);
   el.stop.addEventListener('click', stop);
   el.modelSelect.addEventListener('change', () => {
+    localStorage.setItem(MODEL_KEY, el.modelSelect.value);
+    if (!state.doc) return; // still starting: newChat() picks the remembered model
     state.doc.model = el.modelSelect.value;
-    localStorage.setItem(MODEL_KEY, state.doc.model);
     if (state.convId) save();
   });
   $('#new-chat').addEventListener('click', newChat);

@@ -37,6 +37,18 @@ md.renderer.rules.fence = (tokens, index) => {
     `<pre><code class="hljs">${highlighted}</code></pre></div>`;
 };
 
+// Column alignment as a class, not a style attribute (the CSP allows no inline style at all).
+md.core.ruler.push('align_classes', (state) => {
+  for (const token of state.tokens) {
+    if (token.type !== 'inline' && token.attrs) {
+      const style = token.attrGet('style');
+      const align = style && /text-align:(left|right|center)/.exec(style);
+      if (style) token.attrs = token.attrs.filter(([name]) => name !== 'style');
+      if (align) token.attrJoin('class', `align-${align[1]}`);
+    }
+  }
+});
+
 // Tables scroll sideways on narrow screens instead of widening the page.
 md.renderer.rules.table_open = () => '<div class="table-wrap"><table>';
 md.renderer.rules.table_close = () => '</table></div>';
