@@ -143,36 +143,54 @@ class StreamingSocket:
     # --- authentication ---------------------------------------------------------------------
 
     async def _authenticate(self) -> dict[str, Any] | None | bool:
-        """Check the key before any work. Returns False when the socket was refused, else the first
-        client message when it was not an `auth` message (to be handled next), else None."""
+        """Check the key before any work: the handshake's Authorization header, else (when the app
+        wants a key) an `auth` message, which browsers send since they cannot set headers. Returns
+        False when the socket was refused, else a first message still to handle (or None)."""
+        status, body = await self._probe()
         first: dict[str, Any] | None = None
-        if self.authorization is None:
+        if status in (401, 403) and self.authorization is None:
             try:
                 first = await asyncio.wait_for(self._receive(), self.options.auth_timeout_s)
             except asyncio.TimeoutError:
-                await self._refuse(401, "Send {\"type\": \"auth\", \"api_key\": \"...\"} first (or an "
-                                        "Authorization header on the handshake).", "authentication_error")
-                return False
-            if first is None:
-                return False
-            if first.get("type") == "auth":
-                key = first.get("api_key")
-                if key is not None and (not isinstance(key, str) or not key or len(key) > 4096):
-                    await self._refuse(400, "auth.api_key: give the API key as a string", "invalid_request_error")
-                    return False
-                self.authorization = None if key is None else f"Bearer {key}"
                 first = None
-        status, body = await self._probe()
+            if first is not None and first.get("type") == "auth":
+                if not await self._take_key(first):
+                    return False
+                first = None
+                status, body = await self._probe()
         if status in (401, 403):
-            error = body.get("error") if isinstance(body, dict) else None
-            await self._send({"type": "error", "status": status,
-                              **(body if isinstance(error, dict) else error_body("API key refused", "authentication_error"))})
-            await self._close(CLOSE_POLICY, "authentication failed")
+            await self._refused(status, body)
             return False
         await self._send({"type": "session.created", "protocol": PROTOCOL, "endpoint": self.endpoint_path,
                           "max_streams": self.options.max_streams,
                           "ping_interval_s": self.options.ping_interval_s})
         return first
+
+    async def _take_key(self, message: dict[str, Any]) -> bool:
+        key = message.get("api_key")
+        if key is not None and (not isinstance(key, str) or not key or len(key) > 4096):
+            await self._refused(400, error_body("auth.api_key: give the API key as a string", "invalid_request_error",
+                                                "api_key"))
+            return False
+        self.authorization = None if key is None else f"Bearer {key}"
+        return True
+
+    async def _reauthenticate(self, message: dict[str, Any]) -> None:
+        """A later `auth` message switches the socket to another key (streams running keep theirs)."""
+        if not await self._take_key(message):
+            return
+        status, body = await self._probe()
+        if status in (401, 403):
+            await self._refused(status, body)
+            return
+        await self._send({"type": "session.updated", "protocol": PROTOCOL})
+
+    async def _refused(self, status: int, body: Any) -> None:
+        if not (isinstance(body, dict) and isinstance(body.get("error"), dict)):
+            body = error_body("Send a valid API key: an Authorization header on the handshake, or "
+                              "{\"type\": \"auth\", \"api_key\": \"...\"} first.", "authentication_error")
+        await self._send({"type": "error", "status": status, **body})
+        await self._close(CLOSE_POLICY, "authentication failed")
 
     async def _probe(self) -> tuple[int, Any]:
         call = InProcessCall(self.app, http_scope_from(
@@ -184,10 +202,6 @@ class StreamingSocket:
             return start.status, json.loads(raw)
         except ValueError:
             return start.status, None
-
-    async def _refuse(self, status: int, message: str, error_type: str) -> None:
-        await self._send({"type": "error", "status": status, **error_body(message, error_type)})
-        await self._close(CLOSE_POLICY, error_type)
 
     # --- client messages --------------------------------------------------------------------
 
@@ -232,8 +246,7 @@ class StreamingSocket:
                 if kind == "ping":
                     await self._send({"type": "pong", "ts": message.get("ts")})
             elif kind == "auth":
-                raise ProtocolError("auth: the socket is already authenticated; open a new socket for "
-                                    "another key", param="type")
+                await self._reauthenticate(message)
             else:
                 raise ProtocolError(f"type: unknown message type {kind!r}; use response.create, "
                                     "response.cancel or pong", param="type")
