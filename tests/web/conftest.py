@@ -14,6 +14,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.gateway.harness import (
@@ -66,7 +67,9 @@ def launched_kvik_server(tiny_llama: Path, web_workdir: Path) -> Iterator[KvikSe
 @pytest.fixture(scope="session")
 def kvik_server(launched_kvik_server: KvikServe) -> KvikServe:
     launched_kvik_server.wait_ready(180)
-    launched_kvik_server.warm_up(concurrency=4)
+    # One request pays the first-use costs. Plain httpx: Playwright's sync API may own the event loop.
+    httpx.post(launched_kvik_server.url + "/v1/completions", json={"model": "tiny", "prompt": "warm up",
+                                                                     "max_tokens": 4}, timeout=60).raise_for_status()
     return launched_kvik_server
 
 

@@ -75,11 +75,18 @@ class _Encoded:
     gzip: bytes
 
 
-@lru_cache(maxsize=8)
 def _page_bytes(name: str, config_json: str) -> _Encoded | None:
     path = STATIC_DIR / name
-    if not path.is_file():
+    try:
+        # The file's change time is part of the cache key: a `make web` while serving is picked up.
+        changed = path.stat().st_mtime_ns
+    except OSError:
         return None
+    return _render_page(path, changed, config_json)
+
+
+@lru_cache(maxsize=8)
+def _render_page(path: Path, changed: int, config_json: str) -> _Encoded:
     text = path.read_text(encoding="utf-8").replace(CONFIG_PLACEHOLDER, html.escape(config_json, quote=True))
     body = text.encode()
     return _Encoded(body, gzip.compress(body, 9, mtime=0))

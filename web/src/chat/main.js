@@ -142,7 +142,8 @@ function defaultModel() {
 function newChat() {
   state.convId = null;
   state.title = 'New chat';
-  state.doc = tree.newDocument(defaultModel());
+  // A new chat starts with the settings of the one open before (system prompt, sampling, tools).
+  state.doc = tree.newDocument(defaultModel(), state.doc?.settings);
   docMeta.set(state.doc, {id: null, title: state.title});
   showDocument();
   history.replaceState(null, '', location.pathname + location.search);

@@ -43,7 +43,7 @@ export class Sidebar {
     const rename = h('button', {type: 'button', class: 'btn icon', 'aria-label': `Rename “${row.title}”`,
       title: 'Rename', onclick: () => this.startRename(li, row)}, '✎');
     const remove = h('button', {type: 'button', class: 'btn icon', 'aria-label': `Delete “${row.title}”`,
-      title: 'Delete', onclick: () => this.actions.remove(row.id, row.title)}, '🗑');
+      title: 'Delete', onclick: () => this.actions.remove(row.id, row.title)}, '✕');
     const li = h('li', {class: `conversation${current ? ' current' : ''}`, dataset: {id: row.id}},
       open, h('span', {class: 'conversation-tools'}, rename, remove));
     return li;

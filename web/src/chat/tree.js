@@ -9,7 +9,7 @@
 export const DEFAULT_SETTINGS = {system: '', temperature: '', top_p: '', max_tokens: '', seed: '', tools: ''};
 
 export function newDocument(model, settings = DEFAULT_SETTINGS) {
-  return {version: 1, model, settings: {...settings}, messages: {}, current: null};
+  return {version: 1, model, settings: {...DEFAULT_SETTINGS, ...settings}, messages: {}, current: null};
 }
 
 let counter = 0;
