@@ -145,8 +145,10 @@ def test_accessibility_basics_and_screenshots(browser, gateway: Gateway) -> None
         ratios = page.evaluate(CONTRAST, TEXT_SELECTORS)
         low = [(sel, ratio) for sel, ratio in ratios if ratio < 4.5]
         assert ratios and not low, low
-        page.locator("#messages article.user").last.scroll_into_view_if_needed()
-        page.evaluate("document.querySelector('#messages').scrollTop = document.querySelector('#messages article.user:last-of-type').offsetTop - 80")
+        # Frame the last question and its answer (a table, code and math) for the README.
+        page.evaluate("() => { const questions = document.querySelectorAll('#messages article.user'); "
+                      "const box = document.querySelector('#messages'); "
+                      "box.scrollTop = questions[questions.length - 1].offsetTop - box.offsetTop - 12; }")
         page.screenshot(path=str(SCREENSHOTS / f"chat-{scheme}.png"))
         assert csp_violations(page) == [] and not page.errors, page.errors
         page.context.close()

@@ -73,7 +73,7 @@ def server() -> Iterator[tuple[str, Route]]:
         yield f"ws://127.0.0.1:{port}/v1/chat/completions", route
     finally:
         uv.should_exit = True
-        thread.join(10)
+        thread.join(3)  # a daemon thread: a socket still closing must not hold up the suite
 
 
 def test_server_pings_and_closes_a_silent_client(server: tuple[str, Route]) -> None:

@@ -279,9 +279,8 @@ class StreamingSocket:
         if task is None:
             raise ProtocolError(f"stream_id: no running stream {stream_id!r} (it may have finished)",
                                 param="stream_id", code="stream_not_found", status=404, stream_id=stream_id)
+        # Not awaited: the reader stays responsive; the stream's own task sends its response.done.
         task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.shield(asyncio.wait({task}))
 
     async def _cancel_all(self) -> None:
         tasks = list(self.streams.values())
