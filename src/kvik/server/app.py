@@ -26,6 +26,7 @@ from kvik.server.serving.chat import ChatServing
 from kvik.server.serving.completions import CompletionServing
 from kvik.server.serving.streams import ClientDisconnected
 from kvik.server.state import ServerState
+from kvik.web import PageConfig, install_web
 
 logger = logging.getLogger("kvik.server")
 
@@ -160,6 +161,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(models.router, dependencies=keyed)
     app.include_router(tokenize.router, dependencies=keyed)
     app.include_router(ops.router)
+    install_web(app, PageConfig(product="server", conversations="browser"))
     app.add_middleware(RequestGate, state=state)
 
     @app.exception_handler(KvikError)
