@@ -71,7 +71,7 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._stats = EngineStats(num_blocks=info.num_kv_blocks, num_free_blocks=info.num_kv_blocks)
         if self.preprocess_config.workers > 0:
-            self.pool = PreprocessPool(info.tokenizer, limits, self.preprocess_config)
+            self.pool = PreprocessPool(info.tokenizer, limits, self.preprocess_config, info.max_model_len)
         return info
 
     async def shutdown(self) -> None:

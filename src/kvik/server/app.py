@@ -20,6 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvik import __version__
 from kvik.core.errors import AuthenticationError, InvalidRequestError, KvikError, RequestTooLargeError
+from kvik.core.memory import release_freed_memory
 from kvik.protocol.errors import error_body, error_from_exception
 from kvik.server.routes import generation, models, ops, tokenize
 from kvik.server.serving.chat import ChatServing
@@ -29,6 +30,10 @@ from kvik.server.state import ServerState
 from kvik.web import PageConfig, install_web
 
 logger = logging.getLogger("kvik.server")
+
+# After a request this large, its freed memory is handed back to the system: without it a replica's
+# RSS ratcheted up with every multi-megabyte prompt.
+LARGE_BODY_BYTES = 2**20
 
 # Paths that never need a key and never count as in-flight work for draining.
 OPS_PATHS = frozenset({"/health", "/metrics"})
@@ -69,6 +74,9 @@ class RequestGate:
             if body is None:  # the client left while sending
                 return
             await self.app(scope, _replay(body, receive), send)
+            if len(body) > LARGE_BODY_BYTES:
+                del body
+                release_freed_memory()
         finally:
             self.state.request_finished()
 
