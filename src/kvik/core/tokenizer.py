@@ -84,10 +84,6 @@ class Tokenizer:
     def from_pretrained(cls, path: str, revision: str | None = None) -> Tokenizer:
         return cls(TokenizerSpec.from_pretrained(path, revision))
 
-    @property
-    def has_chat_template(self) -> bool:
-        return self.chat.has_default
-
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         try:
             return self.backend.encode(text, add_special_tokens=add_special_tokens).ids

@@ -50,10 +50,6 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
 
     @property
-    def num_batched_tokens(self) -> int:
-        return sum(chunk.num_new_tokens for chunk in self.chunks)
-
-    @property
     def is_empty(self) -> bool:
         return not self.chunks
 
@@ -74,10 +70,6 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
