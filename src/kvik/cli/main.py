@@ -20,6 +20,8 @@ SUBCOMMAND_MODULES = [
     "kvik.cli.bench",
     "kvik.cli.data",
     "kvik.cli.train",
+    "kvik.cli.label",
+    "kvik.cli.eval",
 ]
 
 
