@@ -58,3 +58,9 @@ def write_prompts(path: Path, count: int, seed: int = 0) -> Path:
 def keyword_reward(prompts: list[str], responses: list[str]) -> list[float]:
     """A programmatic reward: 1 for every keyword in the response (at most 3), for PPO tests."""
     return [float(min(3, response.lower().count(KEYWORD))) for response in responses]
+
+
+def letter_reward(prompts: list[str], responses: list[str]) -> list[float]:
+    """A dense programmatic reward for PPO tests: how many times the response writes the letter e
+    (a random tiny model writes 3-4 in 16 tokens; a policy can learn to write little else)."""
+    return [float(response.lower().count("e")) for response in responses]

@@ -31,6 +31,39 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     winrate.add_argument("--output", default=None,
                          help="directory for winrate.json and every scored answer")
     winrate.set_defaults(func=run_winrate)
+    harness = actions.add_parser(
+        "lm-eval", help="lm-evaluation-harness tasks against a running kvik serve",
+        description="Run lm-evaluation-harness tasks through its local-completions client against "
+                    "an OpenAI-compatible server (kvik serve). Needs `pip install 'kvik[eval]'`; "
+                    "hub-hosted task data needs network access, local task YAMLs "
+                    "(--include-path) do not.")
+    harness.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
+    harness.add_argument("--model", required=True, help="the served model name")
+    harness.add_argument("--tokenizer", required=True,
+                         help="the model's tokenizer directory (requests are sent as token ids)")
+    harness.add_argument("--tasks", required=True, help="comma-separated task names")
+    harness.add_argument("--include-path", default=None, help="directory of extra task YAMLs")
+    harness.add_argument("--limit", type=int, default=None, help="at most this many documents per task")
+    harness.add_argument("--num-concurrent", type=int, default=1)
+    harness.add_argument("--output", default=None, help="write the results JSON here")
+    harness.set_defaults(func=run_lm_eval)
+
+
+def run_lm_eval(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from kvik.train.harness import run_harness
+
+    results = run_harness(args.base_url, args.model, args.tokenizer,
+                          [t for t in args.tasks.split(",") if t], include_path=args.include_path,
+                          limit=args.limit, num_concurrent=args.num_concurrent)
+    for task, metrics in results["results"].items():
+        shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, (int, float)))
+        print(f"{task}: {shown}")
+    if args.output:
+        Path(args.output).write_text(json.dumps(results, indent=2, default=str) + "\n")
+    return 0
 
 
 def _held_out_prompts(path: str) -> list[str]:
