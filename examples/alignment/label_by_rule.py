@@ -38,7 +38,7 @@ def main() -> None:
     conversations = [[{"role": "user", "content": p}] for p in prompts]
     answers = []
     for seed in (1, 2):
-        params = [SamplingParams(temperature=1.0, max_tokens=24, seed=seed * 100_000 + i)
+        params = [SamplingParams(temperature=1.0, max_tokens=16, seed=seed * 100_000 + i)
                   for i in range(len(prompts))]
         answers.append([o.outputs[0].text.strip() for o in llm.chat(conversations, params)])
     rng = random.Random(0)

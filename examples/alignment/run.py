@@ -58,7 +58,7 @@ def serve_and_evaluate(work: Path, prompts_limit: int) -> None:
                 time.sleep(0.3)
         run(kvik("eval", "winrate", "--policy", f"http://127.0.0.1:{port}", "--reference", "sft",
                  "--reward-model", "rm", "--prompts", "prefs", "--limit", str(prompts_limit),
-                 "--max-tokens", "24", "--output", "eval"), work)
+                 "--max-tokens", "16", "--output", "eval"), work)
     finally:
         server.terminate()
         server.wait(timeout=60)

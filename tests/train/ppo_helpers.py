@@ -11,7 +11,7 @@ LETTER_REWARD = "tests.train.preference_helpers:letter_reward"
 
 def ppo_config(out: Path, init_from: Path, prompts: Path, **overrides: Any) -> dict[str, Any]:
     ppo = {"reward_function": LETTER_REWARD, "rollout_batch_size": 64, "max_new_tokens": 6,
-           "ppo_epochs": 4, "minibatch_size": 16, "init_kl_coef": 0.3, "target_kl": 3.0,
+           "ppo_epochs": 4, "minibatch_size": 16, "init_kl_coef": 0.3, "target_kl": 4.0,
            "kl_horizon": 64, **overrides.pop("ppo", {})}
     config: dict[str, Any] = {
         "output_dir": str(out), "task": "ppo", "model": {"init_from": str(init_from)},

@@ -41,7 +41,7 @@ def test_win_rate_of_a_served_policy(tmp_path: Path, tiny_llama: Path, model_dir
     rm = tmp_path / "rm"
     train(train_config_from_dict(reward_config(rm, tiny_llama, prefs, max_steps=5, eval_every=0)))
     other = model_dir_factory("llama", seed=1)  # a different random "policy"
-    server = start_server(other, tmp_path, name="policy")
+    server = start_server(other, tmp_path, name="policy", timeout=300)
     try:
         out = tmp_path / "eval"
         result = subprocess.run(
@@ -105,7 +105,7 @@ def test_lm_eval_harness_through_kvik_serve_matches_transformers(tmp_path: Path,
     tasks = tmp_path / "tasks"
     tasks.mkdir()
     (tasks / "kvik_tiny_mc.yaml").write_text(TASK_YAML.format(data=data))
-    server = start_server(tiny_llama, tmp_path, name="tiny")
+    server = start_server(tiny_llama, tmp_path, name="tiny", timeout=300)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
     try:
         result = subprocess.run(
