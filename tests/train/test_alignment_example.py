@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "alignment"
 
 

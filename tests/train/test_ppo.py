@@ -21,7 +21,7 @@ from tests.train.preference_helpers import write_prompts
 from kvik.train.config import train_config_from_dict
 from kvik.train.trainer import train
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
 @pytest.fixture(scope="module")

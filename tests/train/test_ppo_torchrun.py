@@ -16,7 +16,7 @@ from tests.train.ppo_helpers import ppo_config
 from tests.train.preference_helpers import write_prompts
 from tests.train.test_torchrun import _finish, _torchrun, _worker_pids
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
 def test_killed_ppo_worker_resumes_from_its_checkpoint_and_finishes(tiny_llama: Path,

@@ -8,10 +8,13 @@ the engine's own storage:
 - names go through the model's own loader (the one that reads safetensors), so q/k/v and gate/up
   land in their rows of the fused `qkv_proj` / `gate_up_proj`, GPT-2's Conv1D weights are
   transposed, and a tied LM head copy is skipped;
-- linears packed for oneDNN (CPU float32; the dense weight no longer exists) get their full dense
-  weight assembled from its pieces, packed again, and written *into the existing packed buffer*:
-  the compiled decode stack holds raw addresses of those buffers, so they must not move. A packed
-  linear therefore needs all of its pieces in one update (all of q, k and v);
+- linears packed for oneDNN (CPU float32; the dense weight no longer exists) are rewritten *in their
+  existing packed buffer*: the compiled decode stack holds raw addresses of those buffers, so they
+  must not move. Where the packed layout is the one the small-batch GEMV reads and was checked at
+  load ([blocks][in_stride][block], see transforms.onednn_linear), each tensor is written straight
+  into it with one strided copy, pieces of fused weights included. Otherwise the full dense weight
+  is assembled from its pieces, packed again by oneDNN and copied over the old buffer, so such a
+  linear needs all of its pieces in one update (all of q, k and v);
 - an LM head tied to the embedding and packed separately is repacked from the new embedding;
 - the prefix cache is emptied: its blocks hold keys and values computed with the old weights.
 
@@ -61,6 +64,39 @@ def _repack_in_place(module: OneDNNLinear, weight: torch.Tensor) -> None:
     del packed
 
 
+def _packed_view(module: OneDNNLinear) -> tuple[torch.Tensor, int] | None:
+    """(packed buffer as (blocks, in_stride, block) floats, block) where the layout is known."""
+    spec = module.gemv_spec()
+    if spec is None:
+        return None
+    _, out_features, in_stride, block, _ = spec
+    blocks = -(-out_features // block)
+    floats = _packed_floats(module.packed)
+    if floats.numel() != blocks * in_stride * block:
+        return None
+    return floats.view(blocks, in_stride, block), block
+
+
+def _write_packed_rows(view: torch.Tensor, block: int, start: int, rows: torch.Tensor) -> None:
+    """Write dense rows (n, in) as rows [start, start + n) of a packed (blocks, in_stride, block)
+    weight: row r lives at [r // block, :in, r % block]. Whole blocks go in one strided copy."""
+    count, in_features = rows.shape
+    row = start
+    end = start + count
+    while row < end:
+        first_block, lane = divmod(row, block)
+        if lane == 0 and end - row >= block:
+            blocks = (end - row) // block
+            chunk = rows[row - start:row - start + blocks * block]
+            view[first_block:first_block + blocks, :in_features, :].copy_(
+                chunk.view(blocks, block, in_features).transpose(1, 2))
+            row += blocks * block
+            continue
+        take = min(block - lane, end - row)
+        view[first_block, :in_features, lane:lane + take].copy_(rows[row - start:row - start + take].t())
+        row += take
+
+
 def _tied_head(model: nn.Module) -> tuple[OneDNNLinear, torch.Tensor] | None:
     """The LM head packed from a tied embedding, and that embedding's weight."""
     head = getattr(model, "lm_head", None)
@@ -88,6 +124,7 @@ def load_weights_in_place(model: nn.Module, named_tensors: Iterable[tuple[str, t
     loader = model.weight_loader()
     packed = {name: m for name, m in model.named_modules() if isinstance(m, OneDNNLinear)}
     staged: dict[str, _Staged] = {}
+    written_direct: set[str] = set()
     copied = 0
     embedding_changed = False
     for raw_name, tensor in named_tensors:
@@ -101,16 +138,22 @@ def load_weights_in_place(model: nn.Module, named_tensors: Iterable[tuple[str, t
             if loader.transform is not None:
                 tensor = loader.transform(name, tensor)
             module = packed[target]
-            entry = staged.get(target)
-            if entry is None:
-                entry = staged[target] = _Staged(
-                    module, torch.empty(module.out_features, module.in_features),
-                    torch.zeros(module.out_features, dtype=torch.bool))
             start, size = (piece.start, piece.size) if piece else (0, module.out_features)
             if tuple(tensor.shape) != (size, module.in_features):
                 raise InvalidRequestError(f"update_weights: {raw_name} has shape "
                                           f"{tuple(tensor.shape)}, the model expects "
                                           f"{(size, module.in_features)}")
+            direct = _packed_view(module)
+            if direct is not None:
+                _write_packed_rows(direct[0], direct[1], start, tensor)
+                written_direct.add(target)
+                copied += 1
+                continue
+            entry = staged.get(target)
+            if entry is None:
+                entry = staged[target] = _Staged(
+                    module, torch.empty(module.out_features, module.in_features),
+                    torch.zeros(module.out_features, dtype=torch.bool))
             entry.weight[start:start + size].copy_(tensor)
             entry.rows[start:start + size] = True
             copied += 1
@@ -130,10 +173,15 @@ def load_weights_in_place(model: nn.Module, named_tensors: Iterable[tuple[str, t
             f"weight in one update (e.g. q, k and v together): {', '.join(incomplete[:4])}")
     for entry in staged.values():
         _repack_in_place(entry.module, entry.weight)
-    repacked = len(staged)
+    repacked = len(staged) + len(written_direct)
     tied = _tied_head(model)
     if tied is not None and embedding_changed:
-        _repack_in_place(tied[0], tied[1].detach().float())
+        head, embedding = tied
+        direct = _packed_view(head)
+        if direct is not None:
+            _write_packed_rows(direct[0], direct[1], 0, embedding.detach().float())
+        else:
+            _repack_in_place(head, embedding.detach().float())
         repacked += 1
     return copied, repacked
 
