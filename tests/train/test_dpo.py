@@ -18,6 +18,9 @@ from kvik.train.dpo import preference_loss
 from kvik.train.trainer import train
 
 
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+
+
 @pytest.fixture(scope="module")
 def comparisons_dir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("dpo-prefs")

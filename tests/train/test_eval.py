@@ -32,6 +32,7 @@ def test_win_rate_arithmetic() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)
 def test_win_rate_of_a_served_policy(tmp_path: Path, tiny_llama: Path, model_dir_factory) -> None:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -95,6 +96,7 @@ QUESTIONS = [("The capital of France is", [" Paris", " a fox", " the engine"], 0
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)
 def test_lm_eval_harness_through_kvik_serve_matches_transformers(tmp_path: Path, tiny_llama: Path) -> None:
     pytest.importorskip("lm_eval")
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -16,6 +16,9 @@ from kvik.train.config import train_config_from_dict
 from kvik.train.trainer import train
 
 
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+
+
 @pytest.fixture(scope="module")
 def comparisons_dir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("prefs")

@@ -13,7 +13,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="clean, deduplicate and tokenize a corpus into training shards; preference data",
         description="Data pipeline: normalisation, quality filters (Gopher, C4, FineWeb), PII "
                     "scrubbing, exact and MinHash near-duplicate removal, then tokenization into "
-                    "binary shards with a manifest that `kvik train` reads.",
+                    "binary shards with a manifest that `kvik train` reads; and preference data: "
+                    "`comparisons` (validate, filter, split, version) and `agreement` reports.",
     )
     actions = parser.add_subparsers(dest="data_command", metavar="ACTION", required=True)
     run_parser = actions.add_parser(
