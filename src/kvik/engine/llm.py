@@ -86,6 +86,15 @@ class LLM:
             output.prompt = text
         return outputs
 
+    def update_weights(self, named_tensors: Any) -> Any:
+        """Load new weights in place, without files: `named_tensors` maps HF checkpoint names to
+        tensors (a dict or (name, tensor) pairs, e.g. a trainer's `state_dict()`). Call between
+        generate() calls; the prefix cache is emptied. Returns a `WeightUpdate`
+        (see kvik.engine.weight_sync)."""
+        from kvik.engine.weight_sync import update_engine_weights
+
+        return update_engine_weights(self.engine.core, named_tensors)
+
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(request_ids), desc="Generating", disable=not use_tqdm) as progress:
