@@ -57,11 +57,11 @@ def test_update_equals_a_fresh_engine_loaded_from_disk(arch: str, kernels: str, 
     llm = LLM(str(base), device="cpu", dtype="float32", show_progress=False)
     prompts = [SHARED + p for p in PROMPTS]
     before = _tokens(llm, prompts)  # fills the prefix cache with the old weights' KV
-    assert llm.engine.kv.pool.cached
+    assert llm.engine.core.kv.pool.cached
 
     trained = _perturbed_model(base, seed=1)
     update = llm.update_weights(trained.state_dict())
-    assert update.prefix_blocks_dropped > 0 and not llm.engine.kv.pool.cached
+    assert update.prefix_blocks_dropped > 0 and not llm.engine.core.kv.pool.cached
     if kernels != "plain":
         assert update.repacked > 0
 
@@ -113,7 +113,7 @@ def test_one_piece_of_a_fused_weight_alone(model_dir_factory, tmp_path: Path, mo
     # Where kvik cannot address the packed layout, a fused weight must come whole.
     from kvik.engine import weight_sync
 
-    if llm.engine.cpu_kernels is not None:
+    if llm.engine.core.cpu_kernels is not None:
         monkeypatch.setattr(weight_sync, "_packed_view", lambda module: None)
         with pytest.raises(InvalidRequestError, match="q, k and v together"):
             llm.update_weights({name: trained.state_dict()[name]})
