@@ -88,7 +88,7 @@ def run_demo(args: argparse.Namespace) -> int:
     from kvik.data.pipeline import run_pipeline
     from kvik.train import demo
     from kvik.train.config import train_config_from_dict
-    from kvik.train.shards import load_manifest
+    from kvik.core.shard_format import load_manifest
     from kvik.train.trainer import train
 
     model_dir = demo.cache_dir() / demo.DEMO_NAME
