@@ -9,7 +9,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PORT   ?= 8000
 
-.PHONY: serve test demo demo-model web clean
+.PHONY: serve test demo demo-model web screenshots clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,10 @@ demo-model: $(STAMP)
 test: $(STAMP) web
 	$(BIN)/lint-imports
 	$(BIN)/pytest
+
+# Retake the README's screenshots of the chat page and the console (docs/img/).
+screenshots: $(STAMP) web
+	KVIK_UPDATE_SCREENSHOTS=1 $(BIN)/pytest -q tests/web/test_page_quality.py tests/web/test_console.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache web/node_modules src/kvik/web/static
