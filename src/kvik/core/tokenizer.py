@@ -8,9 +8,11 @@ instead of raising.
 from __future__ import annotations
 
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 from kvik.core.errors import ConfigError, InvalidRequestError
+from kvik.core.gguf_tokenizer import gguf_tokenizer_dir
 
 
 class Tokenizer:
@@ -18,7 +20,12 @@ class Tokenizer:
         try:
             from transformers import AutoTokenizer
 
-            self.hf = AutoTokenizer.from_pretrained(path, revision=revision)
+            source = path
+            if path.lower().endswith(".gguf") and Path(path).is_file():
+                source = str(gguf_tokenizer_dir(Path(path)))
+            self.hf = AutoTokenizer.from_pretrained(source, revision=revision)
+        except ConfigError:
+            raise
         except Exception as exc:  # missing files, unknown tokenizer class, bad json
             raise ConfigError(f"tokenizer: could not load a tokenizer from {path} ({exc})") from exc
         # The Rust tokenizer, when there is one, decodes without the Python wrapper's overhead.
