@@ -27,11 +27,6 @@ def gguf_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("gguf")
 
 
-@pytest.fixture(autouse=True)
-def own_cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("KVIK_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "kvik-cache"))
-
-
 def hf_from_gguf(path):
     import transformers
 
@@ -89,8 +84,11 @@ def test_config_comes_from_the_metadata(gguf_dir):
     assert not load_model_config(untied).tie_word_embeddings
 
 
-def test_tokenizer_and_chat_template_equal_transformers_and_are_cached(gguf_dir, tmp_path_factory):
+def test_tokenizer_and_chat_template_equal_transformers_and_are_cached(gguf_dir, tmp_path,
+                                                                      monkeypatch):
     import transformers
+
+    monkeypatch.setenv("KVIK_CACHE_DIR", str(tmp_path))
 
     path = write_llama_gguf(gguf_dir / "tok.gguf", Q.F32)
     reference = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
@@ -102,7 +100,7 @@ def test_tokenizer_and_chat_template_equal_transformers_and_are_cached(gguf_dir,
     assert "<|im_start|>assistant\n" in text
     assert ours.encode(text) == reference.encode(text)
     assert ours.eos_token_id == reference.eos_token_id == reference.convert_tokens_to_ids("<|im_end|>")
-    cached = list((tmp_path_factory.getbasetemp() / "kvik-cache" / "gguf-tokenizers").iterdir())
+    cached = list((tmp_path / "gguf-tokenizers").iterdir())
     assert len(cached) == 1 and cached[0].name.startswith("tok-")
     assert Tokenizer(str(path)).encode(text) == reference.encode(text)  # from the cache
 
