@@ -32,6 +32,9 @@ if [ ! -d llama.cpp ]; then
   rm -rf "llama_cpp_python-$version"
 fi
 
+# convert_hf_to_gguf.py imports sentencepiece for llama models even when the tokenizer is BPE.
+"$pip" install --quiet sentencepiece
+
 cd llama.cpp
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=ON -DBUILD_SHARED_LIBS=OFF \
