@@ -92,7 +92,7 @@ def test_tokenizer_and_chat_template_equal_transformers_and_are_cached(gguf_dir,
 
     path = write_llama_gguf(gguf_dir / "tok.gguf", Q.F32)
     reference = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    ours = Tokenizer(str(path))
+    ours = Tokenizer.from_pretrained(str(path))
     messages = [{"role": "system", "content": "Be brief."},
                 {"role": "user", "content": "Name the moons of Mars, please!"}]
     text = ours.apply_chat_template(messages)
@@ -102,7 +102,7 @@ def test_tokenizer_and_chat_template_equal_transformers_and_are_cached(gguf_dir,
     assert ours.eos_token_id == reference.eos_token_id == reference.convert_tokens_to_ids("<|im_end|>")
     cached = list((tmp_path / "gguf-tokenizers").iterdir())
     assert len(cached) == 1 and cached[0].name.startswith("tok-")
-    assert Tokenizer(str(path)).encode(text) == reference.encode(text)  # from the cache
+    assert Tokenizer.from_pretrained(str(path)).encode(text) == reference.encode(text)  # from the cache
 
 
 @torch.no_grad()

@@ -153,9 +153,9 @@ def run_naive_server(args: argparse.Namespace) -> int:
 
 def reference_model_path() -> str:
     """The fixed benchmark model (Llama-shaped, ~125M parameters, random weights), written once."""
-    from kvik.cli.demo_model import cache_dir
+    from kvik.core.cache_dir import kvik_cache_dir
 
-    target = cache_dir() / "bench-llama-125m"
+    target = kvik_cache_dir() / "bench-llama-125m"
     if not (target / "config.json").is_file():
         from kvik.model.make_model import make_model
 

