@@ -9,7 +9,6 @@ time: the server calls `trained_demo_model_path()` at start-up.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
