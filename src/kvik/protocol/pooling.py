@@ -1,0 +1,35 @@
+"""Request schemas of the pooling endpoints: OpenAI's embeddings API and vLLM's classify API.
+
+`input` takes the four shapes OpenAI documents: a string, a list of strings, a list of token ids,
+or a list of token-id lists. Responses are built as plain dicts by the server.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from kvik.protocol.openai import TokenIds, _Request
+
+# OpenAI's limit on inputs per embeddings request.
+MAX_INPUTS = 2048
+
+PoolingInput = str | list[str] | TokenIds | list[TokenIds]
+
+
+class EmbeddingRequest(_Request):
+    model: str | None = None
+    input: PoolingInput
+    encoding_format: Literal["float", "base64"] = "float"
+    # Matryoshka models only: keep the first `dimensions` values (renormalised).
+    dimensions: int | None = Field(default=None, ge=1)
+    user: str | None = None
+
+
+class ClassifyRequest(_Request):
+    """vLLM's /classify: each input through a `*ForSequenceClassification` model's score head."""
+
+    model: str | None = None
+    input: PoolingInput
+    user: str | None = None
