@@ -63,6 +63,8 @@ def test_encoder_refuses_generation_and_too_long_input(minilm):
     with pytest.raises(InvalidRequestError, match="dimensions"):
         minilm.embed("hello", dimensions=128)  # MiniLM is not a Matryoshka model
     assert len(minilm.embed([101] * 256)[0].data) == 384  # exactly the context: allowed
+    stats = minilm.engine.stats()  # an encoder has no KV blocks at all
+    assert stats.num_blocks == 0 and stats.kv_cache_usage == 0.0 and stats.prompt_tokens > 0
 
 
 @torch.no_grad()

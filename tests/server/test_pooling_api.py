@@ -34,7 +34,7 @@ def reward_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reward_server(server_factory, reward_path):
-    return server_factory(model_dir=reward_path, name="reward")
+    return server_factory("--max-model-len", "256", model_dir=reward_path, name="reward")
 
 
 def client(server) -> openai.OpenAI:

@@ -6,15 +6,17 @@ or a list of token-id lists. Responses are built as plain dicts by the server.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, StrictInt
 
-from kvik.protocol.openai import TokenIds, _Request
+from kvik.protocol.openai import _Request
 
 # OpenAI's limit on inputs per embeddings request.
 MAX_INPUTS = 2048
 
+# Strict: "12" or true is not a token id.
+TokenIds = list[Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]]
 PoolingInput = str | list[str] | TokenIds | list[TokenIds]
 
 

@@ -157,6 +157,7 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest, *,
     arrival = time.time()
     engine = state.require_engine()
     model = state.resolve_model(body.model)
+    engine.input_processor.check_task("generate")  # before the template: an encoder has none
     template, kwargs = _chat_template_policy(state, body)
     messages = messages_for_template(body.messages)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -189,6 +190,7 @@ async def prepare_completion(state: ServerState, body: CompletionRequest) -> Pre
     arrival = time.time()
     engine = state.require_engine()
     model = state.resolve_model(body.model)
+    engine.input_processor.check_task("generate")
     if body.best_of is not None and body.best_of != body.n:
         raise InvalidRequestError("best_of: only best_of == n is supported", param="best_of")
     if body.suffix:
