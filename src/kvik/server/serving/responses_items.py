@@ -36,14 +36,14 @@ def _text_of(content: Any, where: str, role: str) -> str:
         return content
     if not isinstance(content, list):
         raise InvalidRequestError(f"{where}.content: must be a string or a list of content parts",
-                                  param=where)
+                                  param="input")
     texts = []
     for position, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in _TEXT_PARTS or not isinstance(part.get("text", part.get("refusal")), str):
             raise InvalidRequestError(
                 f"{where}.content[{position}]: part type {kind!r} is not supported; kvik serves text-only "
-                f"models, send input_text parts (output_text for assistant messages)", param=where)
+                f"models, send input_text parts (output_text for assistant messages)", param="input")
         texts.append(part.get("text", part.get("refusal")))
     return "".join(texts) if role == "assistant" else "\n".join(texts)
 
