@@ -59,11 +59,12 @@ class ResponseStore:
 
     def _connection(self) -> sqlite3.Connection:
         if self._db is None:
+            target = self.path
             try:
-                if self.path != ":memory:":
-                    Path(self.path).expanduser().parent.mkdir(parents=True, exist_ok=True)
-                db = sqlite3.connect(str(Path(self.path).expanduser()) if self.path != ":memory:" else self.path,
-                                     check_same_thread=False, isolation_level=None)
+                if target != ":memory:":
+                    target = str(Path(target).expanduser())
+                    Path(target).parent.mkdir(parents=True, exist_ok=True)
+                db = sqlite3.connect(target, check_same_thread=False, isolation_level=None)
                 db.execute("PRAGMA journal_mode=WAL")
                 db.execute(_SCHEMA)
             except (OSError, sqlite3.Error) as exc:
