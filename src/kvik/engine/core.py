@@ -25,11 +25,11 @@ import torch
 
 from kvik.core.config import EngineArgs
 from kvik.core.errors import ConfigError, InsufficientMemoryError, InvalidRequestError
+from kvik.core.pooling_params import PoolingParams
 from kvik.core.sampling_params import SamplingParams
 from kvik.core.tokenizer import TokenizerSpec
 from kvik.engine.device import default_kv_fraction, free_memory_bytes, select_device, select_dtype
 from kvik.engine.kv_manager import KVCacheManager
-from kvik.core.pooling_params import PoolingParams
 from kvik.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineInfo, EngineStats, PoolingInfo
 from kvik.engine.model_runner import ModelRunner
 from kvik.engine.request import Request, RequestGroup, RequestStatus
@@ -37,9 +37,8 @@ from kvik.engine.sampler import Sampler, prompt_logprobs_for
 from kvik.engine.scheduler import Scheduler
 from kvik.model.loader import load_model, load_model_config, resolve_model_path
 from kvik.model.layers.cpu_kernels import cpu_kernels
-from kvik.model.models.llama import label_names
 from kvik.model.models.registry import model_class as architecture_class
-from kvik.model.pooling import LAST, load_pooling_config
+from kvik.model.pooling import LAST, label_names, load_pooling_config
 from kvik.model.transforms.cpu_fused_ops import enable_cpu_fused_ops
 from kvik.model.transforms.onednn_linear import onednn_available, pack_linears_for_onednn
 

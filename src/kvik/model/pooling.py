@@ -128,3 +128,17 @@ def finish_embeddings(pooled: torch.Tensor, dimensions: list[int | None], normal
             row = F.normalize(row, p=2.0, dim=0)
         out.append(row)
     return out
+
+
+def num_labels(cfg: ModelConfig) -> int:
+    """HF's rule: `id2label` decides, else `num_labels`, else 2."""
+    labels = cfg.raw.get("id2label")
+    if labels:
+        return len(labels)
+    return int(cfg.raw.get("num_labels", 2))
+
+
+def label_names(cfg: ModelConfig) -> list[str]:
+    labels = cfg.raw.get("id2label") or {}
+    count = num_labels(cfg)
+    return [str(labels.get(str(i), labels.get(i, f"LABEL_{i}"))) for i in range(count)]

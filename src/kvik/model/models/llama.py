@@ -19,7 +19,7 @@ from kvik.model.config import ModelConfig
 from kvik.model.layers.attention import AttentionMetadata, PagedAttention
 from kvik.model.layers.norm import RMSNorm
 from kvik.model.layers.rotary import RotaryEmbedding, apply_rotary
-from kvik.model.pooling import LAST
+from kvik.model.pooling import LAST, num_labels
 from kvik.model.weights import FusedPiece, WeightLoader
 
 
@@ -239,16 +239,3 @@ class LlamaForSequenceClassification(nn.Module):
     def skip_checkpoint_tensor(self, name: str) -> bool:
         return name.endswith("rotary_emb.inv_freq")
 
-
-def num_labels(cfg: ModelConfig) -> int:
-    """HF's rule: `id2label` decides, else `num_labels`, else 2."""
-    labels = cfg.raw.get("id2label")
-    if labels:
-        return len(labels)
-    return int(cfg.raw.get("num_labels", 2))
-
-
-def label_names(cfg: ModelConfig) -> list[str]:
-    labels = cfg.raw.get("id2label") or {}
-    count = num_labels(cfg)
-    return [str(labels.get(str(i), labels.get(i, f"LABEL_{i}"))) for i in range(count)]
