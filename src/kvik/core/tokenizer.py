@@ -80,6 +80,11 @@ class Tokenizer:
 
         self.spec = spec
         self.backend = Backend.from_str(spec.backend_json)
+        # Some tokenizer.json files (BERT's, sentence-transformers') switch on padding to a fixed
+        # length or truncation: ids of one prompt must be exactly its tokens, and a prompt too long
+        # is refused with a message, never cut silently.
+        self.backend.no_padding()
+        self.backend.no_truncation()
         self.vocab_size = spec.vocab_size or self.backend.get_vocab_size(with_added_tokens=True)
         self.eos_token_id = spec.eos_token_id
         self.special_ids = frozenset(spec.special_ids)

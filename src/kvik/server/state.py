@@ -33,6 +33,8 @@ class ServerConfig:
     log_prompts: bool = False
     max_num_seqs: int = 64
     trust_request_chat_template: bool = False  # let requests bring their own chat template
+    # SQLite file of stored Responses API responses (`:memory:`: kept only while the server runs).
+    responses_store: str = ":memory:"
 
 
 @dataclass(eq=False)
