@@ -43,7 +43,7 @@ def test_greedy_chat_replies_equal_transformers_on_the_same_gguf():
                                                            dtype=torch.float32).eval()
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     eos = reference_tokenizer.convert_tokens_to_ids("<|im_end|>")
-    assert llm.engine.eos_token_ids == [eos]
+    assert llm.engine.core.eos_token_ids == [eos]
     prompt_ids = []
     for prompt in PROMPTS:
         messages = [{"role": "user", "content": prompt}]

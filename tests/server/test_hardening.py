@@ -265,19 +265,23 @@ def test_killed_engine_fails_requests_health_and_exits_nonzero(server_factory):
     victim = server_factory()
     client = openai.AsyncOpenAI(base_url=victim.base_url, api_key="x", max_retries=0, timeout=60)
 
+    streaming = [asyncio.Event() for _ in range(8)]
+
     async def one(i: int) -> str:
         try:
             stream = await client.completions.create(model="tiny", prompt=f"story {i}", max_tokens=400,
                                                      stream=True, extra_body={"ignore_eos": True})
             async for _ in stream:
-                pass
+                streaming[i].set()
         except openai.APIError as exc:
             return f"error: {exc}"
         return "finished"
 
     async def main():
         tasks = [asyncio.create_task(one(i)) for i in range(8)]
-        await asyncio.sleep(1.5)
+        # Kill once every stream has its first token, not after a fixed sleep: on a fast machine
+        # 400 tokens can finish before any sleep long enough for a slow one.
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in streaming)), timeout=60)
         psutil.Process(engine_pid(victim)).kill()
         started = time.monotonic()
         results = await asyncio.gather(*tasks)
