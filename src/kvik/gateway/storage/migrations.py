@@ -53,6 +53,9 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
         "CREATE INDEX usage_records_created ON usage_records (created_at)",
         "CREATE INDEX usage_records_key ON usage_records (key_id, created_at)",
     ]),
+    (3, "key teams (the tenant that shares a cache scope and prefix-cache salt)", [
+        "ALTER TABLE api_keys ADD COLUMN team TEXT",
+    ]),
 ]
 
 

@@ -1,0 +1,149 @@
+"""Limits on what a client may cost the gateway before its request is even understood.
+
+- Header timeout (slowloris): uvicorn has none, and an ASGI app is only called once the headers are
+  complete, so it is enforced in the HTTP protocol: `guarded_h11_protocol` arms a timer when a
+  connection opens or a new request's first byte arrives, and answers 408 and closes the connection
+  when the request line and headers are not complete in time.
+- Body size and body timeout: `ClientLimits`, an ASGI middleware in front of every route, answers
+  413 at once for a declared `Content-Length` over the limit, counts chunked bodies as they arrive
+  (413 when over), and gives the whole body `body_timeout_s` after the headers (408). A response
+  sent before the body was read in full closes the connection, so the rest of an oversized or
+  trickling body is never read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from kvik.core.errors import KvikError, RequestTooLargeError
+from kvik.protocol.errors import error_from_exception
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+
+
+class RequestTimeoutError(KvikError):
+    """The client took too long to send its request (HTTP 408)."""
+
+    http_status = 408
+    error_type = "invalid_request_error"
+    code = "request_timeout"
+
+
+def too_large(max_bytes: int) -> RequestTooLargeError:
+    return RequestTooLargeError(f"The request body is over the gateway's limit of {max_bytes} bytes "
+                                f"(limits.max_body_bytes).")
+
+
+class ClientLimits:
+    """ASGI middleware: body size and body read time (see the module docstring)."""
+
+    def __init__(self, app: Any, *, max_body_bytes: int, body_timeout_s: float) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        declared = headers.get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
+            await send_error(send, too_large(self.max_body_bytes))
+            return
+        # No body at all (a GET) is a complete body; the protocol has already rejected a bad header.
+        complete = declared in (None, b"0") and b"transfer-encoding" not in headers
+        received = 0
+        deadline = asyncio.get_running_loop().time() + self.body_timeout_s
+
+        async def guarded_receive() -> Message:
+            nonlocal complete, received
+            if complete:
+                return await receive()  # the disconnect watch: no deadline
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                raise RequestTimeoutError(f"The request body did not arrive within {self.body_timeout_s:g} s "
+                                          f"(limits.body_timeout_s).") from None
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:
+                    raise too_large(self.max_body_bytes)
+                complete = not message.get("more_body", False)
+            return message
+
+        async def guarded_send(message: Message) -> None:
+            if message["type"] == "http.response.start" and not complete:
+                # The client may still be sending: do not read the rest, close after this answer.
+                message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+            await send(message)
+
+        await self.app(scope, guarded_receive, guarded_send)
+
+
+async def send_error(send: Any, error: KvikError) -> None:
+    """Answer with the error's OpenAI envelope, straight on the ASGI channel, and close."""
+    status, body, headers = error_from_exception(error)
+    payload = json.dumps(body).encode()
+    raw_headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
+                   (b"connection", b"close"), *((k.lower().encode(), v.encode()) for k, v in headers.items())]
+    await send({"type": "http.response.start", "status": status, "headers": raw_headers})
+    await send({"type": "http.response.body", "body": payload})
+
+
+_TIMEOUT_RESPONSE = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                     b"content-length: %d\r\n\r\n%s")
+
+
+def guarded_h11_protocol(header_timeout_s: float) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with a header timeout (pass as `uvicorn.Config(http=...)`)."""
+    _, body, _ = error_from_exception(RequestTimeoutError(
+        f"The request headers did not arrive within {header_timeout_s:g} s (limits.header_timeout_s)."))
+    payload = json.dumps(body).encode()
+    response = _TIMEOUT_RESPONSE % (len(payload), payload)
+
+    class HeaderTimeoutH11Protocol(H11Protocol):
+        _header_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._watch_headers()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            self._watch_headers()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._stop_header_timer()
+            super().connection_lost(exc)
+
+        def _watch_headers(self) -> None:
+            # IDLE: the peer has not finished a request's headers. Between requests uvicorn's own
+            # keep-alive timer covers the silence; the first byte of the next request cancels it
+            # and arms this one.
+            waiting = self.conn.their_state is h11.IDLE and not self.transport.is_closing()
+            if waiting and self._header_timer is None:
+                self._header_timer = self.loop.call_later(header_timeout_s, self._on_header_timeout)
+            elif not waiting:
+                self._stop_header_timer()
+
+        def _stop_header_timer(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _on_header_timeout(self) -> None:
+            self._header_timer = None
+            busy = self.cycle is not None and not self.cycle.response_complete
+            if self.conn.their_state is h11.IDLE and not busy and not self.transport.is_closing():
+                self.transport.write(response)
+                self.transport.close()
+
+    return HeaderTimeoutH11Protocol
