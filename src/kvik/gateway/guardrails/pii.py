@@ -11,16 +11,18 @@ characters that normalise to one ASCII character, so offsets do not move): full-
 `＠`, non-breaking spaces and the like match like their ASCII forms, and the placeholder replaces
 the original characters.
 
-Large texts are scanned in windows with a short pause between them: regular expressions hold the
-GIL for a whole call, and the gateway runs redaction of large bodies in a worker thread that must
-let the event loop serve other tenants in between.
+Every rule is matched against the same joined text; where matches overlap, the earlier rule wins
+(configured patterns, then email, card, national ids, and phone numbers last). The digit-based rules
+only look at runs of digits and separators (found in one scan), with a few characters of context.
+Large texts are scanned in windows: a regular expression holds the GIL for a whole call, and the
+gateway redacts large bodies in a worker thread that must let the event loop serve other tenants
+meanwhile (the interpreter hands the GIL over between bytecodes, so each call is kept to one window).
 """
 
 from __future__ import annotations
 
 import bisect
 import re
-import time
 import unicodedata
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -50,9 +52,22 @@ JOINER = "\n"  # between the texts of one request, as a chat template puts turns
 WINDOW_CHARS = 64 * 1024  # one regex call scans at most this much (plus the overlap)
 # Matches may run this far past a window's end; longer matches of configured patterns can be cut.
 OVERLAP_CHARS = 1024
+# Runs of digits and the separators the digit rules allow, at least 6 characters (a UK national
+# insurance number without spaces has 6 digits); every digit-rule match overlaps one.
+_DIGIT_RUN = re.compile(r"\d[\d\s.()+-]{5,}")
+RUN_CONTEXT_CHARS = 4  # around a run: a `+` or `(` before a phone number, the letters of an NI number
 
 Span = tuple[int, int]
-Finder = Callable[[str], list[Span]]
+
+
+@dataclass(slots=True, frozen=True)
+class _Rule:
+    label: str
+    regex: re.Pattern[str]
+    accept: Callable[[str], bool] | None = None  # a check on the matched text (Luhn, digit count)
+    digits: bool = False  # matches always overlap a digit run: scan only around those
+    min_run: int = 6  # shortest digit run that can hold a match
+    worth_scanning: Callable[[str, int, int], bool] | None = None  # a cheap test of a window
 
 
 def luhn_valid(digits: str) -> bool:
@@ -91,34 +106,34 @@ class Redaction:
 
 class PiiRedactor:
     def __init__(self, config: PiiConfig) -> None:
-        # Order matters: configured patterns first (most specific), cards and national ids before
-        # phones (their digit groups would also look like phone numbers).
-        self._rules: list[tuple[str, Finder]] = []
-        for pattern in config.patterns:
-            self._rules.append((pattern.name.upper(), _regex_finder(re.compile(pattern.regex))))
+        self._rules = [_Rule(pattern.name.upper(), re.compile(pattern.regex)) for pattern in config.patterns]
         entities = set(config.entities)
         if "email" in entities:
-            self._rules.append(("EMAIL", _regex_finder(EMAIL, _has_at_sign)))
+            self._rules.append(_Rule("EMAIL", EMAIL, worth_scanning=_has_at_sign))
         if "card" in entities:
-            self._rules.append(("CARD", _filtered_finder(CARD_CANDIDATE, _is_card)))
+            self._rules.append(_Rule("CARD", CARD_CANDIDATE, _is_card, digits=True, min_run=13))
         if "national_id" in entities:
-            for regex in NATIONAL_IDS:
-                self._rules.append(("NATIONAL_ID", _regex_finder(regex, _has_digit)))
+            self._rules += [_Rule("NATIONAL_ID", regex, digits=True, min_run=min_run)
+                            for regex, min_run in zip(NATIONAL_IDS, (11, 6), strict=True)]
         if "phone" in entities:
-            self._rules.append(("PHONE", _filtered_finder(PHONE_CANDIDATE, _is_phone)))
-        if entities - {"email"} or config.patterns:
+            self._rules.append(_Rule("PHONE", PHONE_CANDIDATE, _is_phone, digits=True, min_run=9))
+        if self._rules:
             _ascii_folding()  # build the table at start-up, not in the first request
 
     def redact_texts(self, texts: list[str], counts: Counter[str] | None = None) -> list[str]:
         """The texts of one request with PII replaced, matched across text boundaries."""
         counts = Counter() if counts is None else counts
-        segments = list(texts)
-        for label, finder in self._rules:
-            spans = finder(normalise(JOINER.join(segments)))
-            if spans:
-                segments = _replace_spans(segments, spans, f"[{label}]")
-                counts[label] += len(spans)
-        return segments
+        text = normalise(JOINER.join(texts))
+        runs = _digit_runs(text) if any(rule.digits for rule in self._rules) else []
+        taken = _Spans()
+        found: list[tuple[int, int, str]] = []
+        for rule in self._rules:
+            matches = _run_matches(rule, text, runs) if rule.digits else _scan(rule.regex, text, rule.worth_scanning)
+            for match in matches:
+                if (rule.accept is None or rule.accept(match.group())) and taken.add(match.start(), match.end()):
+                    found.append((match.start(), match.end(), f"[{rule.label}]"))
+                    counts[rule.label] += 1
+        return _replace_spans(list(texts), sorted(found)) if found else list(texts)
 
     def redact_text(self, text: str, counts: Counter[str] | None = None) -> str:
         return self.redact_texts([text], counts)[0]
@@ -132,16 +147,36 @@ class PiiRedactor:
         return Redaction(body=replace_request_texts(body, redacted) if counts else body, counts=counts)
 
 
-def _replace_spans(segments: list[str], spans: list[Span], placeholder: str) -> list[str]:
-    """Apply spans of the joined text to its segments: a span's first segment gets the placeholder
-    in place of its part, the later segments it covers lose theirs (the joiners go with the span)."""
+class _Spans:
+    """Non-overlapping spans taken so far."""
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+
+    def add(self, start: int, end: int) -> bool:
+        """Take [start, end) unless it overlaps a span already taken."""
+        index = bisect.bisect_left(self._starts, start)
+        if index > 0 and self._ends[index - 1] > start:
+            return False
+        if index < len(self._starts) and self._starts[index] < end:
+            return False
+        self._starts.insert(index, start)
+        self._ends.insert(index, end)
+        return True
+
+
+def _replace_spans(segments: list[str], spans: list[tuple[int, int, str]]) -> list[str]:
+    """Apply sorted, disjoint spans of the joined text to its segments: a span's first segment gets
+    the placeholder in place of its part, the later segments it covers lose theirs (the joiners go
+    with the span)."""
     starts = []
     offset = 0
     for segment in segments:
         starts.append(offset)
         offset += len(segment) + len(JOINER)
     cuts: list[list[tuple[int, int, str]]] = [[] for _ in segments]  # per segment: (start, end, new text)
-    for start, end in spans:
+    for start, end, placeholder in spans:
         first = bisect.bisect_right(starts, start) - 1
         index = first
         while index < len(segments) and starts[index] < end:
@@ -187,16 +222,23 @@ def _scan(regex: re.Pattern[str], text: str, worth_scanning: Callable[[str, int,
                 yield match
                 resume = max(resume, match.end())
         position = resume
-        time.sleep(0)  # release the GIL: the event loop thread may be waiting for it
 
 
-def _regex_finder(regex: re.Pattern[str], worth_scanning: Callable[[str, int, int], bool] | None = None
-                  ) -> Finder:
-    return lambda text: [match.span() for match in _scan(regex, text, worth_scanning)]
+def _digit_runs(text: str) -> list[Span]:
+    return [match.span() for match in _scan(_DIGIT_RUN, text, _has_digit)]
 
 
-def _filtered_finder(regex: re.Pattern[str], accept: Callable[[str], bool]) -> Finder:
-    return lambda text: [match.span() for match in _scan(regex, text, _has_digit) if accept(match.group())]
+def _run_matches(rule: _Rule, text: str, runs: list[Span]) -> Iterator[re.Match[str]]:
+    """The rule's matches that overlap a digit run, each run searched with a little context (a
+    lookbehind sees before the start of the search; a lookahead stops at its end)."""
+    length, resume, min_run, finditer = len(text), 0, rule.min_run, rule.regex.finditer
+    for start, end in runs:
+        if end - start < min_run:
+            continue
+        for match in finditer(text, max(resume, start - RUN_CONTEXT_CHARS), min(length, end + RUN_CONTEXT_CHARS)):
+            if match.end() > start and match.start() < end:
+                yield match
+                resume = match.end()
 
 
 def _has_at_sign(text: str, start: int, end: int) -> bool:
