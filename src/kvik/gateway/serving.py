@@ -218,9 +218,14 @@ class ProxyService:
         async def close() -> None:
             await answer.finish(relay.outcome)
             assert log.estimate is not None
-            # The replica's count when it came; else what was relayed (a client that leaves early
-            # pays for the tokens it got, and for its prompt, estimated from above).
-            log.usage = relay.usage or TokenUsage(log.estimate.prompt, relay.content_deltas)
+            # A finished stream: the replica's count. Otherwise (the client left, the replica
+            # failed) the tokens the client got, and the prompt (estimated from above if the
+            # replica's count never came).
+            if relay.outcome is Outcome.SUCCESS and relay.usage is not None:
+                log.usage = relay.usage
+            else:
+                prompt = relay.usage.prompt_tokens if relay.usage is not None else log.estimate.prompt
+                log.usage = TokenUsage(prompt, relay.content_deltas)
             if (state.cache is not None and cache_key is not None and relay.recorded is not None
                     and relay.outcome is Outcome.SUCCESS):
                 await state.cache.put(cache_key, CachedResponse(200, answer.content_type, tuple(relay.recorded)))
