@@ -42,7 +42,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.include_router(openai.router)
     app.include_router(admin.router)
     app.include_router(ops.router)
-    app.openapi = add_components(app, [ChatCompletionRequest, CompletionRequest, admin.KeyCreate])  # type: ignore[method-assign]
+    served = [name for model in config.models for name in (model.name, *model.aliases)]
+    app.openapi = add_components(  # type: ignore[method-assign]
+        app, [ChatCompletionRequest, CompletionRequest, admin.KeyCreate], served_models=served)
     # Outermost first: which listener may serve what, then the size and time limits on bodies.
     app.add_middleware(ClientLimits, max_body_bytes=config.limits.max_body_bytes,
                        body_timeout_s=config.limits.body_timeout_s)

@@ -25,15 +25,22 @@ def request_body(schema: str) -> dict[str, Any]:
         "application/json": {"schema": {"$ref": REF_TEMPLATE.format(model=schema)}}}}}
 
 
-def add_components(app: FastAPI, models: Sequence[type[BaseModel]]) -> Callable[[], dict[str, Any]]:
-    """An `app.openapi` that adds the JSON schemas of `models` (and what they refer to)."""
+def add_components(app: FastAPI, models: Sequence[type[BaseModel]], *,
+                   served_models: Sequence[str]) -> Callable[[], dict[str, Any]]:
+    """An `app.openapi` that adds the JSON schemas of `models` (and what they refer to). A `model`
+    property of theirs is narrowed to the names this gateway serves (`served_models`)."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             document = get_openapi(title=app.title, version=app.version, routes=app.routes)
             _, definitions = models_json_schema([(model, "validation") for model in models],
                                                 ref_template=REF_TEMPLATE)
-            document.setdefault("components", {}).setdefault("schemas", {}).update(definitions.get("$defs", {}))
+            schemas = definitions.get("$defs", {})
+            for schema in schemas.values():
+                if "model" in schema.get("properties", {}):
+                    schema["properties"]["model"] = {"type": "string", "enum": list(served_models)}
+                    schema.setdefault("required", []).append("model")
+            document.setdefault("components", {}).setdefault("schemas", {}).update(schemas)
             app.openapi_schema = document
         return app.openapi_schema
 
