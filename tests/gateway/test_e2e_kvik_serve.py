@@ -295,6 +295,44 @@ def test_email_and_card_never_reach_the_replicas(gateway: Gateway, key: str, rep
         assert EMAIL not in log and CARD not in log and CARD.replace(" ", "") not in log
 
 
+def test_a_request_that_breaks_every_replica_opens_no_breaker(gateway: Gateway, key: str,
+                                                               replicas: list[KvikServe]) -> None:
+    """Issue 10, finding 3: `logit_bias: {"²": 1}` made kvik serve answer 500 (the server is to
+    answer 400); either way, eight such requests must not take the model offline."""
+    wait_for(lambda: all(r["healthy"] and r["breaker"] == "closed" for r in gateway.replicas().values()))
+    opened = gateway.metric("kvik_gateway_breaker_transitions_total", model="tiny", state="open")
+    with gateway.client(key) as client:
+        poisoned = [client.post("/v1/chat/completions", json=chat("tiny", f"poison {i}", logit_bias={"\u00b2": 1}))
+                    for i in range(8)]
+        statuses = {r.status_code for r in poisoned}
+        assert len(statuses) == 1 and statuses <= {400, 500}, [r.text for r in poisoned]
+        assert all(set(r.json()["error"]) == {"message", "type", "param", "code"} for r in poisoned)
+        assert gateway.metric("kvik_gateway_breaker_transitions_total", model="tiny", state="open") == opened
+        assert {r["breaker"] for r in gateway.replicas().values()} == {"closed"}
+        before = served(replicas)
+        good = [client.post("/v1/chat/completions", json=chat("tiny", f"after poison {i}")) for i in range(10)]
+    assert [r.status_code for r in good] == [200] * 10
+    assert all(n > 0 for n in delta(served(replicas), before).values())  # both replicas still serve
+
+
+def test_a_client_that_leaves_a_non_streaming_request_stops_the_generation(gateway: Gateway, key: str,
+                                                                           replicas: list[KvikServe]) -> None:
+    """Issue 10, finding 6: the gateway closes the upstream request, and kvik serve aborts it."""
+    marker = f"abandoned-{secrets.token_hex(4)}"
+    body = chat("tiny", marker, max_tokens=480, ignore_eos=True)
+    with pytest.raises(httpx.ReadTimeout), gateway.client(key, timeout=0.5) as client:
+        client.post("/v1/chat/completions", json=body)
+
+    def logged() -> list[dict[str, Any]]:
+        return [e for r in replicas for e in r.request_log() if marker in json.dumps(e.get("prompt"))]
+
+    wait_for(lambda: len(logged()) == 1, timeout=30)
+    entry = logged()[0]
+    if entry["completion_tokens"] == 480 and entry["latency_ms"] < 500:
+        pytest.skip("the replica generated 480 tokens before the client left; nothing to abort")
+    assert entry["completion_tokens"] < 480 and "length" not in entry["finish_reasons"], entry
+
+
 def test_kill9_during_load_every_request_succeeds_and_the_breaker_cycles(
         gateway: Gateway, key: str, replicas: list[KvikServe]) -> None:
     alive, victim = replicas
