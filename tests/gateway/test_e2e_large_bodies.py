@@ -69,8 +69,9 @@ def test_a_5mb_body_does_not_delay_another_tenants_small_request(gateway: Gatewa
 
 
 def raw_request(port: int, head: bytes, chunks: list[bytes] = (), timeout: float = 20.0) -> bytes:
-    """Send `head` and then `chunks` on a raw socket (stopping when the server closes), and return
-    whatever the server answered."""
+    """Send `head` and then `chunks` on a raw socket (stopping if the server closes), and return
+    whatever the server answered. Without the gateway's lingering close, a server that answers early
+    and closes would reset the connection and the answer could be lost."""
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
         sock.sendall(head)
         try:
@@ -106,6 +107,17 @@ def test_chunked_body_over_the_limit_is_413(gateway: Gateway) -> None:
     chunks = [b"%x\r\n%s\r\n" % (len(megabyte), megabyte)] * 40 + [b"0\r\n\r\n"]  # 40 MB
     answer = raw_request(gateway.port, head, chunks)
     assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
-    assert b"connection: close" in answer.lower()  # the rest of the body is never read
+    assert b"connection: close" in answer.lower()  # the rest of the body is never parsed
     # The gateway is fine afterwards.
     assert httpx.get(gateway.url + "/health", timeout=5).status_code == 200
+
+
+def test_an_oversized_upload_gets_its_413_rather_than_a_reset(gateway: Gateway) -> None:
+    """The client is still uploading when the gateway answers; the answer must survive the close."""
+    key = gateway.create_key(name="uploader")
+    oversized = b'{"model": "tiny", "messages": [{"role": "user", "content": "' + b"a" * (LIMIT + 1024) + b'"}]}'
+    with gateway.client(key) as client:
+        for _ in range(5):
+            response = client.post("/v1/chat/completions", content=oversized,
+                                   headers={"content-type": "application/json"})
+            assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"

@@ -8,7 +8,12 @@
   413 at once for a declared `Content-Length` over the limit, counts chunked bodies as they arrive
   (413 when over), and gives the whole body `body_timeout_s` after the headers (408). A response
   sent before the body was read in full closes the connection, so the rest of an oversized or
-  trickling body is never read.
+  trickling body is never parsed.
+- Lingering close (as nginx does): closing a socket with unread data makes the kernel send a reset,
+  which can destroy the early answer in the client's receive buffer before it reads it (a client
+  that is still uploading reads only afterwards). So a connection closed while the client is still
+  sending is half-closed instead (the answer, then EOF), and what still arrives is read and dropped
+  until the client stops, for at most `LINGER_S`.
 """
 
 from __future__ import annotations
@@ -98,6 +103,9 @@ async def send_error(send: Any, error: KvikError) -> None:
     await send({"type": "http.response.body", "body": payload})
 
 
+LINGER_S = 10.0  # longest a half-closed connection keeps reading (and dropping) what the client sends
+LINGER_IDLE_S = 2.0  # ... or until the client has been silent this long
+
 _TIMEOUT_RESPONSE = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
                      b"content-length: %d\r\n\r\n%s")
 
@@ -111,18 +119,39 @@ def guarded_h11_protocol(header_timeout_s: float) -> type[H11Protocol]:
 
     class HeaderTimeoutH11Protocol(H11Protocol):
         _header_timer: asyncio.TimerHandle | None = None
+        _linger: _Lingering | None = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
+            # uvicorn closes through `self.transport` (and hands it to each request cycle): the
+            # wrapper turns a close while the client is still sending into a lingering close.
+            super().connection_made(_LingeringTransport(transport, self))  # type: ignore[arg-type]
             self._watch_headers()
 
         def data_received(self, data: bytes) -> None:
+            if self._linger is not None:
+                self._linger.received()  # dropped: the answer is out, the connection is closing
+                return
             super().data_received(data)
             self._watch_headers()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._stop_header_timer()
+            if self._linger is not None:
+                self._linger.cancel()
             super().connection_lost(exc)
+
+        def close_transport(self, transport: asyncio.Transport) -> None:
+            """Close, or linger first when the client is still sending a body nobody will read."""
+            if self._linger is not None:
+                return
+            if self.conn.their_state is h11.SEND_BODY and transport.can_write_eof() and not transport.is_closing():
+                self._stop_header_timer()
+                self._linger = _Lingering(transport, self.loop)
+            else:
+                transport.close()
+
+        def lingering(self) -> bool:
+            return self._linger is not None
 
         def _watch_headers(self) -> None:
             # IDLE: the peer has not finished a request's headers. Between requests uvicorn's own
@@ -147,3 +176,43 @@ def guarded_h11_protocol(header_timeout_s: float) -> type[H11Protocol]:
                 self.transport.close()
 
     return HeaderTimeoutH11Protocol
+
+
+class _Lingering:
+    """A half-closed connection that drops what still arrives and closes when the client stops."""
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._deadline = loop.time() + LINGER_S
+        transport.write_eof()  # the answer, then EOF: the client reads all of it
+        transport.resume_reading()  # flow control may have paused it while the body piled up
+        self._timer = loop.call_later(LINGER_IDLE_S, self._close)
+
+    def received(self) -> None:
+        self._timer.cancel()
+        self._timer = self._loop.call_at(min(self._deadline, self._loop.time() + LINGER_IDLE_S), self._close)
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+
+    def _close(self) -> None:
+        self._transport.close()
+
+
+class _LingeringTransport:
+    """The connection's transport, except that `close()` lingers while the client is still sending
+    a body nobody will read (see the module docstring)."""
+
+    def __init__(self, transport: asyncio.Transport, protocol: Any) -> None:
+        self._transport = transport
+        self._protocol = protocol
+
+    def close(self) -> None:
+        self._protocol.close_transport(self._transport)
+
+    def is_closing(self) -> bool:
+        return self._protocol.lingering() or self._transport.is_closing()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
