@@ -153,12 +153,14 @@ def bad_request(rng: random.Random) -> tuple[str, bytes]:
         ("/v1/chat/completions", json.dumps({**chat, "stream": True, "stream_options": "x"}).encode()),
         ("/v1/chat/completions", json.dumps({**chat, "model": "gpt-9"}).encode()),
         ("/v1/chat/completions", json.dumps({**chat, "max_tokens": "many"}).encode()),
-        ("/v1/chat/completions", json.dumps({**chat, "messages": [{"role": "user", "content": "word " * 700}]}).encode()),
+        ("/v1/chat/completions", json.dumps({**chat, "messages": [{"role": "user", "content": "word " * 700}]})
+         .encode()),
         ("/v1/chat/completions", json.dumps({**chat, "max_tokens": 100_000}).encode()),
         ("/v1/chat/completions", json.dumps({**chat, "logit_bias": {"\u00b2": 1}}).encode()),
         ("/v1/chat/completions", json.dumps({**chat, "temperature": -1}).encode()),
         ("/v1/chat/completions", (json.dumps(chat)[:-1] + ', "metadata": ' + "[" * 5000 + "]" * 5000 + "}").encode()),
-        ("/v1/chat/completions", json.dumps({**chat, "messages": [{"role": "user", "content": "x" * (2 * MIB)}]}).encode()),
+        ("/v1/chat/completions", json.dumps({**chat, "messages": [{"role": "user", "content": "x" * (2 * MIB)}]})
+         .encode()),
         ("/v1/completions", json.dumps({"model": MODEL, "prompt": [1, 99_999_999], "max_tokens": 2}).encode()),
     ]
     return rng.choice(cases)
@@ -371,7 +373,8 @@ def check(run: Run) -> dict[str, Any]:
         failures.append(f"{verdicts['hung']} request(s) hung past {run.args.hang_bound} s")
     lost = [r for r in results if r.verdict == "lost"]
     if lost:
-        failures.append(f"{len(lost)} request(s) lost: " + "; ".join(f"{r.kind} {r.status} {r.detail}" for r in lost[:5]))
+        examples = "; ".join(f"{r.kind} {r.status} {r.detail}" for r in lost[:5])
+        failures.append(f"{len(lost)} request(s) lost: {examples}")
 
     memory: dict[str, Any] = {}
     bounds = {"gateway": (1.5, 256 * MIB), run.replicas[1].name: (2.0, 512 * MIB)}
@@ -400,7 +403,8 @@ def check(run: Run) -> dict[str, Any]:
     failed_completion = sum(row["completion_tokens"] for row in rows if row["status"] != 200)
     row_count = sum(row["requests"] for row in rows)
     accounting = {"requests": len(good), "rows": row_count,
-                  "delivered": [delivered_prompt, delivered_completion], "charged": [charged_prompt, charged_completion],
+                  "delivered": [delivered_prompt, delivered_completion],
+                  "charged": [charged_prompt, charged_completion],
                   "failed_stream_events": failed_stream_events, "failed_rows_completion": failed_completion}
     if (charged_prompt, charged_completion) != (delivered_prompt, delivered_completion):
         failures.append(f"usage rows of finished requests {charged_prompt}+{charged_completion} != tokens "
@@ -416,7 +420,8 @@ def check(run: Run) -> dict[str, Any]:
         "duration_s": run.args.duration, "requests": len(results), "verdicts": dict(verdicts),
         "statuses": dict(Counter(str(r.status) for r in results)),
         "kinds": dict(Counter(r.kind for r in results)),
-        "latency_s": {"p50": round(latencies[len(latencies) // 2], 3), "p99": round(latencies[int(len(latencies) * 0.99)], 3),
+        "latency_s": {"p50": round(latencies[len(latencies) // 2], 3),
+                      "p99": round(latencies[int(len(latencies) * 0.99)], 3),
                       "max": round(latencies[-1], 3)} if latencies else {},
         "events": run.events, "memory": memory, "accounting": accounting, "failures": failures,
         "sample_errors": [asdict(r) for r in results if r.verdict == "error"][:5],

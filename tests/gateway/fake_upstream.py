@@ -71,8 +71,9 @@ def build_app(name: str, record: bool) -> FastAPI:
             schema.model_validate(body)
         except ValidationError as exc:
             error = exc.errors()[0]
-            return JSONResponse({"error": {"message": f"{error['loc']}: {error['msg']}", "type": "invalid_request_error",
-                                           "param": None, "code": None}}, status_code=400)
+            message = f"{error['loc']}: {error['msg']}"
+            return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                           "code": None}}, status_code=400)
         return None
 
     async def failure(raw: bytes) -> Response | None:
@@ -147,7 +148,8 @@ def build_app(name: str, record: bool) -> FastAPI:
                         yield f"data: {json.dumps(STREAM_ERROR)}\n\n"
                     if fail_mode == "error_then_done":
                         if include_usage:
-                            yield f"data: {json.dumps({**base, 'object': kind + '.chunk', 'choices': [], 'usage': usage})}\n\n"
+                            usage_chunk = {**base, "object": kind + ".chunk", "choices": [], "usage": usage}
+                            yield f"data: {json.dumps(usage_chunk)}\n\n"
                         yield "data: [DONE]\n\n"
                     return
                 piece = word if i == 0 else " " + word

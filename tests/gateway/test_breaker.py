@@ -86,13 +86,14 @@ def test_neutral_outcome_frees_the_probe_slot() -> None:
     assert breaker.state is BreakerState.HALF_OPEN and breaker.can_attempt()
 
 
-def breaker_pool(replicas: int, **settings: float):  # noqa: ANN201
+def breaker_pool(replicas: int, panics: list[str] | None = None, **settings: float):  # noqa: ANN201
     from kvik.gateway.config import ModelConfig
     from kvik.gateway.router import ModelPool
 
     panic = settings.pop("panic_threshold_percent", 50.0)
     config = ModelConfig(name="m", replicas=[{"url": f"http://r{i}"} for i in range(replicas)])
-    return ModelPool(config, BreakerConfig(consecutive_failures=2, **settings), panic_threshold_percent=panic)
+    return ModelPool(config, BreakerConfig(consecutive_failures=2, **settings), panic_threshold_percent=panic,
+                     on_panic=None if panics is None else panics.append)
 
 
 def test_max_ejections_follows_envoy_and_never_takes_the_whole_pool() -> None:
@@ -123,12 +124,13 @@ def test_the_breakers_of_a_pool_never_eject_it_all() -> None:
 def test_panic_routing_tries_every_replica_when_too_few_are_available() -> None:
     from kvik.gateway.balancing import RoutingContext
 
-    pool = breaker_pool(2)
+    panics: list[str] = []
+    pool = breaker_pool(2, panics)
     first, second = pool.replicas
     first.healthy = False
-    assert pool.pick(RoutingContext()) is second and pool.panics == 0  # 1 of 2 available: 50 %, no panic
+    assert pool.pick(RoutingContext()) is second and panics == []  # 1 of 2 available: 50 %, no panic
     second.healthy = False
-    assert pool.pick(RoutingContext()) in (first, second) and pool.panics == 1  # 0 of 2: panic
+    assert pool.pick(RoutingContext()) in (first, second) and panics == ["m"]  # 0 of 2: panic
     assert pool.pick(RoutingContext(), {first}) is second
     assert pool.pick(RoutingContext(), {first, second}) is None  # each replica once per request
     off = breaker_pool(2, panic_threshold_percent=0)

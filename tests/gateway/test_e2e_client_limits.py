@@ -112,6 +112,7 @@ def test_metrics_on_the_main_port_need_an_admin_key(gateways: GatewayFactory, up
     gateway = gateways.start({"models": [model_config("tiny", upstreams)]}, name="metrics-auth")
     user = gateway.create_key(name="not-admin")
     assert httpx.get(gateway.url + "/metrics", timeout=5).status_code == 401
-    assert httpx.get(gateway.url + "/metrics", headers={"Authorization": f"Bearer {user}"}, timeout=5).status_code == 403
+    as_user = httpx.get(gateway.url + "/metrics", headers={"Authorization": f"Bearer {user}"}, timeout=5)
+    assert as_user.status_code == 403
     scraped = httpx.get(gateway.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=5)
     assert scraped.status_code == 200 and "kvik_gateway_replica_healthy" in scraped.text

@@ -38,7 +38,8 @@ def test_drop_null_usage_removes_only_null_usage_members() -> None:
 
 
 def test_inspect_event_counts_content_deltas_and_reads_error_objects() -> None:
-    assert inspect_event(b'data: {"choices": [{"delta": {"role": "assistant", "content": ""}}]}\n\n').content_deltas == 0
+    role_only = b'data: {"choices": [{"delta": {"role": "assistant", "content": ""}}]}\n\n'
+    assert inspect_event(role_only).content_deltas == 0
     assert inspect_event(b'data: {"choices": [{"delta": {"content": "hi"}}]}\n\n').content_deltas == 1
     assert inspect_event(b'data: {"choices": [{"index": 0, "text": "a"}, {"index": 1, "text": "b"}]}\n\n'
                          ).content_deltas == 2

@@ -1,9 +1,10 @@
 """Active health probes: GET each replica's health path on a fixed interval.
 
 A replica is marked down after `unhealthy_after` failed probes in a row and up again after
-`healthy_after` good ones. Marking it down also expires the attempts on it that are still waiting for
-their first byte, so they fail over to another replica. Passive signals (connect errors and 5xx on real traffic) go to the
-replica's circuit breaker instead; the balancer needs both to agree before it sends traffic.
+`healthy_after` good ones. Marking it down also expires the attempts on it that are still waiting
+for their first byte, so they fail over to another replica. Passive signals (connect errors and 5xx
+on real traffic) go to the replica's circuit breaker instead; the balancer needs both to agree
+before it sends traffic.
 """
 
 from __future__ import annotations

@@ -32,13 +32,13 @@ class ModelPool:
 
     def __init__(self, config: ModelConfig, breaker_config: BreakerConfig,
                  on_breaker_transition: BreakerListener | None = None, *,
-                 panic_threshold_percent: float = 50.0) -> None:
+                 panic_threshold_percent: float = 50.0, on_panic: Callable[[str], None] | None = None) -> None:
         self.config = config
         self.name = config.name
         self.upstream_model = config.upstream_model or config.name
         self.panic_threshold_percent = panic_threshold_percent
         self.max_ejections = max_ejections(len(config.replicas), breaker_config.max_ejection_percent)
-        self.panics = 0  # requests routed in panic mode (exported as a metric)
+        self._on_panic = on_panic  # told the model's name at each pick made in panic mode
         self.replicas = [
             Replica(model=config.name, url=r.url, weight=r.weight, api_key=r.api_key,
                     breaker=CircuitBreaker(breaker_config,
@@ -71,8 +71,8 @@ class ModelPool:
         available = [r for r in self.replicas if r.is_available()]
         if len(available) * 100 < self.panic_threshold_percent * len(self.replicas):
             candidates = [r for r in self.replicas if r not in exclude]
-            if candidates:
-                self.panics += 1
+            if candidates and self._on_panic is not None:
+                self._on_panic(self.name)
         else:
             candidates = [r for r in available if r not in exclude]
         if not candidates:
@@ -86,9 +86,10 @@ class ModelPool:
 
 
 class ModelRouter:
-    def __init__(self, config: GatewayConfig, on_breaker_transition: BreakerListener | None = None) -> None:
+    def __init__(self, config: GatewayConfig, on_breaker_transition: BreakerListener | None = None,
+                 on_panic: Callable[[str], None] | None = None) -> None:
         self.pools = [ModelPool(m, config.breaker, on_breaker_transition,
-                                panic_threshold_percent=config.health.panic_threshold_percent)
+                                panic_threshold_percent=config.health.panic_threshold_percent, on_panic=on_panic)
                       for m in config.models]
         self._by_name: dict[str, ModelPool] = {}
         for pool in self.pools:

@@ -55,7 +55,7 @@ class GatewayState:
     @classmethod
     async def start(cls, config: GatewayConfig) -> GatewayState:
         metrics = GatewayMetrics()
-        router = ModelRouter(config, metrics.on_breaker_transition)
+        router = ModelRouter(config, metrics.on_breaker_transition, metrics.on_panic)
         redis = await _connect_redis(config.redis_url) if config.redis_url else None
         db = await asyncio.to_thread(open_database, config.database_url)
         keys = KeyStore(db)
