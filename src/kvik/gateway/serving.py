@@ -74,9 +74,8 @@ class RequestLog:
 
 @dataclass(slots=True)
 class Prepared:
-    """A request ready to go upstream."""
+    """A request ready to go upstream (after guardrails)."""
 
-    body: dict[str, Any]  # after guardrails, as the client's (cache key, moderation)
     payload: bytes  # what is sent upstream
     cache_key: str | None
     context: RoutingContext
@@ -131,7 +130,7 @@ class ProxyService:
                 pool, log.endpoint.path, prepared.payload, stream=log.stream, context=prepared.context,
                 request_id=log.request_id))
         except ClientDisconnected:
-            # The replica was asked and has likely read the prompt: charge it, as OpenAI does.
+            # The replica was asked and has likely read the prompt: charge that (estimated).
             log.usage = TokenUsage(log.estimate.prompt, 0)
             raise
         log.replica, log.attempts = answer.replica.url, answer.attempts
@@ -196,7 +195,7 @@ class ProxyService:
             upstream["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
         if self.state.salter is not None:
             upstream["cache_salt"] = self.state.salter.salt(tenant)  # overrides the client's
-        return Prepared(body, json.dumps(upstream).encode(), cache_key, pool.routing_context(body))
+        return Prepared(json.dumps(upstream).encode(), cache_key, pool.routing_context(body))
 
     async def _replay(self, cached: CachedResponse, log: RequestLog) -> Response:
         log.cached = True
