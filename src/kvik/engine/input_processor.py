@@ -1,8 +1,8 @@
 """The front end's half of admission: a prompt becomes a validated `EngineCoreRequest`, once.
 
 Every check that depends on the model lives here, for the offline `LLM` and the server alike: the
-prompt is not empty, its token ids are in the vocabulary, it leaves room in the context, and the
-output budget fits. The server's messages follow OpenAI's wording, since its clients parse them.
+prompt is not empty, its token ids are in the vocabulary, it leaves room in the context, the
+output budget fits, and a structured-output constraint is one the grammar engine can enforce. The server's messages follow OpenAI's wording, since its clients parse them.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from kvik.core.errors import ContextLengthExceededError, InvalidRequestError
 from kvik.core.sampling_params import SamplingParams
 from kvik.core.tokenizer import Tokenizer
 from kvik.engine.messages import EngineCoreRequest, EngineInfo
+from kvik.engine.structured.grammar import check_constraint
 
 
 class InputProcessor:
@@ -74,6 +75,13 @@ class InputProcessor:
         """The core's request for validated token ids. `max_tokens` defaults to the params' value
         capped to the context."""
         self.validate_prompt(token_ids, where)
+        constraint = params.structured_outputs
+        if constraint is not None:
+            check_constraint(constraint)  # cached: the server already checked it off its event loop
+            start = constraint.start_after_token_id
+            if start is not None and not 0 <= start < self.vocab_size:
+                raise InvalidRequestError(f"structured_outputs.start_after_token_id: {start} is outside "
+                                          f"the vocabulary [0, {self.vocab_size})", param="structured_outputs")
         if max_tokens is None:
             max_tokens = self.resolve_max_tokens(params.max_tokens, len(token_ids), where, strict=False)
         return EngineCoreRequest(request_id, list(token_ids), params, max_tokens, arrival_time,
