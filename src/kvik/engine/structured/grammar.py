@@ -24,6 +24,7 @@ schema's own `x-guidance` options override that.
 from __future__ import annotations
 
 import json
+import re
 from functools import lru_cache
 
 from kvik.core.errors import InvalidRequestError
@@ -105,4 +106,11 @@ def describe(kind: str, error: str) -> str:
                 "remove them or enforce them after generation")
     what = {"json": "JSON schema", "json_object": "JSON schema", "regex": "regex", "choice": "choice",
             "grammar": "grammar"}[kind]
+    # Regex errors put the reason on a later "error: ..." line, under a caret drawing.
+    reason = next((line.strip().removeprefix("error:").strip() for line in error.splitlines()[1:]
+                   if line.strip().startswith("error:")), None)
+    if reason:
+        first = f"{first.split(' (in ')[0].rstrip(':')}: {reason}"
+    if kind == "regex":  # the position is in kvik's one-line wrapper grammar, not the client's regex
+        first = re.sub(r"^at \d+\(\d+\): ", "", first)
     return f"the {what} cannot be used for constrained decoding: {first}"
