@@ -52,6 +52,7 @@ class Sampler:
             if processed is logits:
                 processed = logits.clone()
             self.grammars.apply_masks(processed, constrained, [requests[i].grammar for i in constrained])
+            self._reopen_end_of_sequence(processed, logits, [requests[i] for i in constrained], constrained)
 
         chosen = torch.empty(rows, dtype=torch.long, device=logits.device)
         greedy = [i for i, r in enumerate(requests) if r.params.greedy]
@@ -104,6 +105,18 @@ class Sampler:
                 counts = torch.bincount(outputs, minlength=vocab)[:vocab].to(values.dtype)
                 values -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
         return processed
+
+    def _reopen_end_of_sequence(self, processed: torch.Tensor, logits: torch.Tensor,
+                                requests: list[Request], rows: list[int]) -> None:
+        """A grammar that is complete allows only the end of sequence, which min_tokens forbids:
+        such a row has no token left. The grammar wins; its end-of-sequence logits come back."""
+        for row, request in zip(rows, requests):
+            if request.num_output_tokens >= request.params.min_tokens:
+                continue
+            if bool(torch.isinf(processed[row]).all()):
+                eos = torch.tensor([t for t in self.eos_token_ids if 0 <= t < processed.shape[-1]],
+                                   device=processed.device)
+                processed[row, eos] = logits[row, eos]
 
     # -- random draw with temperature, top-k, top-p, min-p --
 

@@ -69,6 +69,7 @@ class GrammarBackend:
         self._tokenizer: Any = None
         self._tokenizer_error: BaseException | None = None
         self._compiled: OrderedDict[str, Any] = OrderedDict()
+        self._bitmask = np.zeros((0, self.num_words), dtype=np.int32)  # reused across steps
         self._ready = threading.Thread(target=self._build_tokenizer, args=(tokenizer_json,),
                                        name="kvik-grammar-tokenizer", daemon=True)
         self._ready.start()
@@ -110,22 +111,20 @@ class GrammarBackend:
 
     def apply_masks(self, logits: torch.Tensor, rows: list[int], states: list[GrammarState]) -> None:
         """Set to -inf, in place, every logit of `logits[rows[i]]` that `states[i]` does not allow.
-        logits: (R, V) float. A row the grammar leaves without any token (it allows only the end of
-        sequence, which min_tokens forbids) gets its end-of-sequence logits back: the grammar wins."""
-        vocab = logits.shape[-1]
-        bitmask = np.zeros((len(rows), self.num_words), dtype=np.int32)
+        logits: (R, V) float; rows ascending."""
+        count, vocab = len(rows), logits.shape[-1]
+        if self._bitmask.shape[0] < count:
+            self._bitmask = np.zeros((count, self.num_words), dtype=np.int32)
+        bitmask = self._bitmask[:count]
         row_bytes = self.num_words * 4
         for i, state in enumerate(states):
             state.matcher.unsafe_compute_mask_ptr(bitmask.ctypes.data + i * row_bytes, row_bytes)
-        # Bit b of word w allows token 32 * w + b: little-endian words, little-endian bit order.
-        allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+        # Bit b of word w allows token 32 * w + b (little-endian words and bit order); unpacking the
+        # inverted words gives one byte per token that is 1 where the token is blocked.
+        blocked = np.unpackbits((~bitmask).view(np.uint8), axis=1, count=vocab, bitorder="little")
+        blocked_rows = torch.from_numpy(blocked.view(np.bool_)).to(logits.device)
+        if count == logits.shape[0]:  # every row constrained: no gather, no scatter
+            logits.masked_fill_(blocked_rows, float("-inf"))
+            return
         index = torch.tensor(rows, device=logits.device)
-        selected = logits[index]
-        blocked = torch.from_numpy(allowed).to(logits.device) == 0
-        masked = selected.masked_fill(blocked, float("-inf"))
-        dead = torch.isinf(masked).all(dim=-1)
-        if bool(dead.any()):
-            eos = torch.tensor([t for t in self.eos_token_ids if t < vocab], device=logits.device)
-            for row in dead.nonzero().flatten().tolist():
-                masked[row, eos] = selected[row, eos]
-        logits[index] = masked
+        logits[index] = logits[index].masked_fill_(blocked_rows, float("-inf"))
