@@ -14,6 +14,12 @@ reads the KV manager; speculative tokens and LoRA or grammar state would ride al
 After the model ran, `update_from_output` owns the bookkeeping: it advances `num_computed_tokens`,
 registers newly computed blocks in the prefix cache, appends sampled tokens, applies the token-level
 stop conditions and returns one `EngineCoreOutput` per sequence that produced something.
+
+Pooling requests (embeddings, classification) ride the same queue and budget. They end in the step
+that computes their last prompt token, with the pooled vector instead of a sampled token. One that
+`needs_whole_prompt` (an encoder's, or mean/CLS pooling) is admitted only when its whole prompt fits
+the step's remaining budget, and never reads the prefix cache. An encoder model has no KV cache at
+all (`uses_kv_cache=False`): nothing is allocated for its requests.
 """
 
 from __future__ import annotations
@@ -50,10 +56,6 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
 
     @property
-    def num_batched_tokens(self) -> int:
-        return sum(chunk.num_new_tokens for chunk in self.chunks)
-
-    @property
     def is_empty(self) -> bool:
         return not self.chunks
 
@@ -61,8 +63,9 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True, *, eos_token_ids: frozenset[int] = frozenset(),
-                 max_model_len: int = 2**31) -> None:
+                 max_model_len: int = 2**31, uses_kv_cache: bool = True) -> None:
         self.kv = kv
+        self.uses_kv_cache = uses_kv_cache
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -74,10 +77,6 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -92,7 +91,7 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(request, num_new):
+            while self.uses_kv_cache and not self.kv.allocate_slots(request, num_new):
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 if victim is request:
@@ -111,17 +110,20 @@ class Scheduler:
             if leader is not None and not self._prompt_computed(leader):
                 continue  # a sibling of an n>1 request: admitted once the prompt's blocks are cached
             request.wait_for_prompt_of = None
-            hit = self.kv.find_cached_prefix(request) if request.num_computed_tokens == 0 else None
+            whole = request.needs_whole_prompt
+            hit = (self.kv.find_cached_prefix(request)
+                   if request.num_computed_tokens == 0 and not whole and self.uses_kv_cache else None)
             hit_tokens = hit.num_blocks * self.kv.block_size if hit else 0
             num_new = request.num_tokens - request.num_computed_tokens - hit_tokens
-            if num_new > budget and not self.enable_chunked_prefill:
+            if num_new > budget and (whole or not self.enable_chunked_prefill):
                 return
             num_new = min(num_new, budget)
-            if not self.kv.allocate_slots(request, num_new, hit):
+            if self.uses_kv_cache and not self.kv.allocate_slots(request, num_new, hit):
                 return  # FCFS: nobody overtakes the head of the queue for blocks
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = hit_tokens
-                self.kv.record_prefix_query(request.num_tokens, hit_tokens)
+                if self.uses_kv_cache:
+                    self.kv.record_prefix_query(request.num_tokens, hit_tokens)
             request.num_computed_tokens += hit_tokens
             self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
@@ -166,9 +168,10 @@ class Scheduler:
     # -- after the step --
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[Request, tuple[int, TokenLogprobs | None]],
-                           ) -> list[EngineCoreOutput]:
+                           pooled: dict[Request, bytes] | None = None) -> list[EngineCoreOutput]:
         """Apply one executed step: `sampled` maps each sequence whose known tokens were all
-        computed to its new token (and logprobs). Returns what each sequence produced."""
+        computed to its new token (and logprobs), `pooled` each pooling request whose prompt is now
+        computed to its vector (float32 bytes). Returns what each sequence produced."""
         now = time.time()
         outputs: list[EngineCoreOutput] = []
         for chunk in out.chunks:
@@ -180,6 +183,15 @@ class Scheduler:
                 group.first_scheduled_time = now
                 group.num_cached_tokens = max(request.num_cached_tokens, 0)
             if request.status.finished:  # aborted while the step ran (cannot happen in-process)
+                continue
+            if request.pooling is not None:
+                vector = pooled.get(request) if pooled else None
+                if vector is not None:
+                    request.finish_reason = RequestStatus.FINISHED_STOPPED.value
+                    self.finish(request, RequestStatus.FINISHED_STOPPED)
+                    output = self._output(request, [], None, None)
+                    output.pooled = vector
+                    outputs.append(output)
                 continue
             result = sampled.get(request)
             prompt_logprobs = self._take_prompt_logprobs(request)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import time
 from types import FrameType
 
@@ -119,7 +118,3 @@ def run_server(engine_args: EngineArgs, state: ServerState, host: str, port: int
     server.run()
     return server.exit_code
 
-
-def install_default_signals() -> None:
-    """Restore default SIGTERM handling (pytest and some launchers ignore it)."""
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -37,6 +37,8 @@ class ServerConfig:
     trust_request_chat_template: bool = False  # let requests bring their own chat template
     tool_call_parser: str = "auto"  # a name in kvik.server.tool_parsers, "auto" or "none"
     reasoning_parser: str = "auto"  # a name in kvik.server.reasoning, "auto" or "none"
+    # SQLite file of stored Responses API responses (`:memory:`: kept only while the server runs).
+    responses_store: str = ":memory:"
 
 
 @dataclass(slots=True)
