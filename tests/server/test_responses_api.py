@@ -236,3 +236,27 @@ def test_text_format_json_schema(sdk):
     assert response.status == "completed", response.output_text
     assert isinstance(json.loads(response.output_text)["answer"], int)
     assert response.text.format.type == "json_schema"
+
+
+def test_tool_loop_in_a_stored_conversation(llama3_server):
+    """A Llama-3-style model (its template shows tools and calls): the forced call comes back as a
+    function_call item, and the next turn, by previous_response_id with the tool's output, renders
+    that call into its prompt through the template."""
+    sdk = openai.OpenAI(base_url=llama3_server.base_url, api_key="unused", max_retries=0)
+    first = sdk.responses.create(model="tiny", input="Weather in Paris?", tools=[WEATHER_TOOL],
+                                 tool_choice="required", parallel_tool_calls=False, max_output_tokens=200,
+                                 extra_body={"seed": 4})
+    calls = [item for item in first.output if item.type == "function_call"]
+    assert first.status == "completed" and len(calls) == 1 and calls[0].name == "get_weather"
+    arguments = json.loads(calls[0].arguments)
+    second = sdk.responses.create(model="tiny", previous_response_id=first.id, tools=[WEATHER_TOOL],
+                                  max_output_tokens=4, input=[{"type": "function_call_output",
+                                                               "call_id": calls[0].call_id, "output": "sunny"}])
+    assert second.status in ("completed", "incomplete")
+    call_tokens = len(tokenize(llama3_server, json.dumps(arguments)))
+    assert second.usage.input_tokens > first.usage.input_tokens + call_tokens
+
+
+def tokenize(server, text: str) -> list[int]:
+    response = httpx.post(f"{server.url}/tokenize", json={"prompt": text, "add_special_tokens": False})
+    return response.json()["tokens"]
