@@ -104,3 +104,34 @@ def metric_value(text: str, name: str) -> float:
         if line.startswith(name + "{") or line.startswith(name + " "):
             return float(line.rsplit(" ", 1)[1])
     raise KeyError(name)
+
+
+
+@pytest.fixture(scope="session")
+def hermes_model_dir(model_dir_factory, tmp_path_factory) -> Path:
+    """A Qwen3-style model (Hermes tool calls, <think> reasoning) with random weights."""
+    from tests.server.chat_formats import HERMES_THINKING_TEMPLATE, THINK_TOKENS, dress_model
+
+    return dress_model(model_dir_factory("qwen3"), tmp_path_factory.mktemp("hermes") / "model",
+                       HERMES_THINKING_TEMPLATE, THINK_TOKENS)
+
+
+@pytest.fixture(scope="session")
+def llama3_model_dir(model_dir_factory, tmp_path_factory) -> Path:
+    """A Llama-3.1-style model (JSON tool calls with "parameters") with random weights."""
+    from tests.server.chat_formats import LLAMA3_TEMPLATE, dress_model
+
+    return dress_model(model_dir_factory("llama"), tmp_path_factory.mktemp("llama3") / "model",
+                       LLAMA3_TEMPLATE)
+
+
+@pytest.fixture(scope="session")
+def hermes_thinking_server(server_factory, hermes_model_dir) -> ServerProcess:
+    """The formats come from the chat template: no parser flags. The tiny vocabulary spends
+    hundreds of tokens on tool descriptions, hence the longer context."""
+    return server_factory("--max-model-len", "2048", model_dir=hermes_model_dir)
+
+
+@pytest.fixture(scope="session")
+def llama3_server(server_factory, llama3_model_dir) -> ServerProcess:
+    return server_factory("--max-model-len", "2048", model_dir=llama3_model_dir)

@@ -5,22 +5,17 @@ input answered with a 4xx in OpenAI's error shape."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
 
-from kvik.protocol.openai import ChatCompletionRequest
 from tests.server.conftest import metric_value
 
 BLOCK_SIZE = 16
 LONG_QUESTION = ("Please tell me a long story about a lighthouse keeper who collects shells, "
                  "counts the waves and writes letters to the sea every single evening.")
-needs_tool_calling = pytest.mark.xfail(
-    "tool_choice" not in ChatCompletionRequest.model_fields, strict=False,
-    reason="needs tool calling from helper/structured")
-needs_structured_output = pytest.mark.xfail(
-    "response_format" not in ChatCompletionRequest.model_fields, strict=False,
-    reason="needs structured output from helper/structured")
 
 
 @pytest.fixture(scope="module")
@@ -162,6 +157,13 @@ BAD_REQUESTS = [
     ({"input": "hi", "tools": [{"type": "function"}]}, 400, "tools"),
     ({"input": "hi", "text": {"format": {"type": "json_schema"}}}, 400, "text.format"),
     ({"input": "hi", "text": {"format": {"type": "yaml"}}}, 400, "text.format.type"),
+    ({"input": "hi", "tools": [{"type": "function", "name": "bad name!"}]}, 400, "tools"),
+    ({"input": "hi", "tool_choice": "required"}, 400, "tool_choice"),
+    ({"input": "hi", "tools": [{"type": "function", "name": "f"}],
+      "tool_choice": {"type": "function", "name": "g"}}, 400, "tool_choice"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x",
+                                         "schema": {"type": "array", "uniqueItems": True}}}},
+     400, "text.format.schema"),
     ({"input": "hi", "truncation": "auto"}, 400, "truncation"),
     ({"input": "hi", "background": True}, 400, "background"),
     ({"input": "hi", "metadata": {str(i): "v" for i in range(17)}}, 400, "metadata"),
@@ -186,48 +188,75 @@ def test_unknown_ids_are_404(responses_server):
         assert response.status_code == 404 and response.json()["error"]["param"] == "response_id"
 
 
+# A random-weight model ends an unbounded string only by chance: the city's length is bounded so
+# that the forced call fits the output budget.
 WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "Weather in a city",
-                "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
                                "required": ["city"], "additionalProperties": False}, "strict": True}
 
 
-@needs_tool_calling
 def test_function_tool_call(sdk):
     response = sdk.responses.create(model="tiny", input="Weather in Paris?", tools=[WEATHER_TOOL],
                                     tool_choice={"type": "function", "name": "get_weather"},
-                                    max_output_tokens=64)
+                                    max_output_tokens=200, extra_body={"seed": 1})
+    assert response.status == "completed", response.output
     calls = [item for item in response.output if item.type == "function_call"]
-    assert calls and calls[0].name == "get_weather" and calls[0].call_id
-    import json
-
+    assert len(calls) == 1 and calls[0].name == "get_weather" and calls[0].call_id
     assert isinstance(json.loads(calls[0].arguments)["city"], str)
     follow_up = sdk.responses.create(model="tiny", previous_response_id=response.id, max_output_tokens=8,
                                      input=[{"type": "function_call_output", "call_id": calls[0].call_id,
                                              "output": "sunny"}], tools=[WEATHER_TOOL])
     assert follow_up.status in ("completed", "incomplete")
+    # The conversation goes on with the tool's result (this template does not show tool calls).
+    assert follow_up.usage.input_tokens > response.usage.input_tokens
 
 
-@needs_tool_calling
 def test_function_tool_call_streamed(sdk):
     with sdk.responses.create(model="tiny", input="Weather in Paris?", tools=[WEATHER_TOOL],
-                              tool_choice="required", max_output_tokens=64, stream=True) as stream:
+                              tool_choice="required", max_output_tokens=300, stream=True,
+                              extra_body={"seed": 2}) as stream:
         events = list(stream)
     kinds = [event.type for event in events]
     assert "response.function_call_arguments.delta" in kinds
     done = next(e for e in events if e.type == "response.function_call_arguments.done")
     assert done.name == "get_weather"
-    import json
-
     assert "city" in json.loads(done.arguments)
+    final = events[-1].response
+    assert final.status == "completed"
+    calls = [item for item in final.output if item.type == "function_call"]
+    assert calls[0].arguments == done.arguments and calls[0].call_id
 
 
-@needs_structured_output
 def test_text_format_json_schema(sdk):
-    import json
-
     schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
               "additionalProperties": False}
-    response = sdk.responses.create(model="tiny", input="2+2?", max_output_tokens=32,
+    response = sdk.responses.create(model="tiny", input="2+2?", max_output_tokens=64, extra_body={"seed": 3},
                                     text={"format": {"type": "json_schema", "name": "sum", "schema": schema,
                                                      "strict": True}})
+    assert response.status == "completed", response.output_text
     assert isinstance(json.loads(response.output_text)["answer"], int)
+    assert response.text.format.type == "json_schema"
+
+
+def test_tool_loop_in_a_stored_conversation(llama3_server):
+    """A Llama-3-style model (its template shows tools and calls): the forced call comes back as a
+    function_call item, and the next turn, by previous_response_id with the tool's output, renders
+    that call into its prompt through the template."""
+    sdk = openai.OpenAI(base_url=llama3_server.base_url, api_key="unused", max_retries=0)
+    first = sdk.responses.create(model="tiny", input="Weather in Paris?", tools=[WEATHER_TOOL],
+                                 tool_choice="required", parallel_tool_calls=False, max_output_tokens=200,
+                                 extra_body={"seed": 4})
+    calls = [item for item in first.output if item.type == "function_call"]
+    assert first.status == "completed" and len(calls) == 1 and calls[0].name == "get_weather"
+    arguments = json.loads(calls[0].arguments)
+    second = sdk.responses.create(model="tiny", previous_response_id=first.id, tools=[WEATHER_TOOL],
+                                  max_output_tokens=4, input=[{"type": "function_call_output",
+                                                               "call_id": calls[0].call_id, "output": "sunny"}])
+    assert second.status in ("completed", "incomplete")
+    call_tokens = len(tokenize(llama3_server, json.dumps(arguments)))
+    assert second.usage.input_tokens > first.usage.input_tokens + call_tokens
+
+
+def tokenize(server, text: str) -> list[int]:
+    response = httpx.post(f"{server.url}/tokenize", json={"prompt": text, "add_special_tokens": False})
+    return response.json()["tokens"]

@@ -7,6 +7,8 @@ import argparse
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     from kvik.core.config import EngineArgs
+    from kvik.server.reasoning import CHOICES as REASONING_PARSERS
+    from kvik.server.tool_parsers import CHOICES as TOOL_PARSERS
 
     parser = subparsers.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
@@ -45,6 +47,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     server.add_argument("--engine-in-thread", action="store_true",
                         help="run the engine core on a thread of the server process instead of its "
                              "own process (debugging, comparisons; no isolation from the API server)")
+    server.add_argument("--tool-call-parser", default="auto", choices=TOOL_PARSERS,
+                        help="how the model writes tool calls, to return them as `tool_calls`: auto "
+                             "(from the chat template; hermes if it shows none), hermes (<tool_call> "
+                             "tags: Qwen2.5/3, Hermes), llama3_json (Llama 3.x), mistral ([TOOL_CALLS]), "
+                             "or none (tool calls stay text; tool_choice required still works)")
+    server.add_argument("--reasoning-parser", default="auto", choices=REASONING_PARSERS,
+                        help="split a reasoning model's <think>...</think> into `reasoning_content`: "
+                             "auto (when the tokenizer has the tags and the template uses them), "
+                             "qwen3 / deepseek_r1 / think (the same parser), or none")
     server.add_argument("--responses-store", default=None, metavar="PATH",
                         help="SQLite file where the Responses API stores responses (store=true) for "
                              "GET /v1/responses/{id} and previous_response_id (default: "
@@ -86,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
                           header_timeout=args.header_timeout,
                           log_prompts=args.log_prompts, max_num_seqs=engine_args.max_num_seqs,
                           trust_request_chat_template=args.trust_request_chat_template,
+                          tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                           responses_store=args.responses_store or default_responses_store())
     preprocess = PreprocessConfig(workers=args.tokenizer_workers, timeout=args.tokenizer_timeout)
     return run_server(engine_args, ServerState(config), args.host, args.port, args.log_level,

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import enum
+import json as jsonlib
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvik.core.errors import InvalidRequestError
 
@@ -18,6 +20,47 @@ class OutputKind(enum.Enum):
 
 
 @dataclass(slots=True)
+class StructuredOutputs:
+    """A constraint on the output, enforced token by token by the engine's grammar engine (vLLM's
+    `StructuredOutputsParams`). Exactly one of `json` (a JSON schema, as a dict or JSON text),
+    `json_object` (any JSON object), `regex` (the whole output matches it), `choice` (the output is
+    one of the strings) or `grammar` (Lark, llguidance's dialect, or GBNF) is set.
+
+    `start_after_token_id`: the constraint applies only after this token was generated (the end of
+    a reasoning model's thinking, `</think>`); None constrains from the first token. The front end
+    sets it; the output must end with an end-of-sequence token the grammar allows when complete.
+    """
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    start_after_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict):
+            self.json = jsonlib.dumps(self.json)  # property order is kept: it is the output's order
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise InvalidRequestError(
+                "structured_outputs: give exactly one of json, json_object, regex, choice, grammar"
+                + (f" (got {', '.join(given)})" if given else ""), param="structured_outputs")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
+            raise InvalidRequestError("structured_outputs.choice: must be a non-empty list of strings",
+                                      param="structured_outputs")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: json, json_object, regex, choice or grammar."""
+        if self.json_object:
+            return "json_object"
+        return next(name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None)
+
+
+@dataclass(slots=True)
 class SamplingParams:
     """How to pick tokens for one request.
 
@@ -26,6 +69,7 @@ class SamplingParams:
     sampled token's logprob plus the top k alternatives at each step; `prompt_logprobs=k` the same for
     every prompt token (the first has none). `stop` strings are cut from the text unless
     `include_stop_str_in_output`. `max_tokens=None` means up to the context length.
+    `structured_outputs` constrains the output to a JSON schema, regex, choice or grammar.
     """
 
     n: int = 1
@@ -48,6 +92,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     output_kind: OutputKind = OutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -94,6 +139,9 @@ class SamplingParams:
             raise bad("logit_bias", "bias values must be in [-100, 100]")
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:
             raise bad("seed", "must fit in a signed 64-bit integer")
+        if self.structured_outputs is not None and self.ignore_eos:
+            # A finished grammar allows only the end of sequence; ignoring it leaves no valid token.
+            raise bad("ignore_eos", "cannot be combined with structured outputs")
 
     @property
     def greedy(self) -> bool:

@@ -35,6 +35,7 @@ from kvik.engine.model_runner import ModelRunner
 from kvik.engine.request import Request, RequestGroup, RequestStatus
 from kvik.engine.sampler import Sampler, prompt_logprobs_for
 from kvik.engine.scheduler import Scheduler
+from kvik.engine.structured.matcher import GrammarBackend
 from kvik.model.loader import load_model, load_model_config, resolve_model_path
 from kvik.model.layers.cpu_kernels import cpu_kernels
 from kvik.model.models.registry import model_class as architecture_class
@@ -95,7 +96,12 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv, args.max_num_seqs, self.max_num_batched_tokens,
                                    args.enable_chunked_prefill, eos_token_ids=frozenset(self.eos_token_ids),
                                    max_model_len=self.max_model_len, uses_kv_cache=self.uses_kv_cache)
-        self.sampler = Sampler(cfg.vocab_size, self.eos_token_ids, self.device, seed=args.seed)
+        # Structured outputs: llguidance's tokenizer view is built in the background now, so no
+        # request waits for it and requests without constraints never touch it.
+        self.grammars = GrammarBackend(self.tokenizer_spec.backend_json, cfg.vocab_size,
+                                       self.tokenizer_spec.vocab_size, self.eos_token_ids)
+        self.sampler = Sampler(cfg.vocab_size, self.eos_token_ids, self.device, seed=args.seed,
+                               grammars=self.grammars)
         self.groups: dict[str, RequestGroup] = {}
         self._arrival_counter = itertools.count()
         self.prompt_tokens_total = 0
@@ -213,6 +219,7 @@ class EngineCore:
             self._add_pooling_request(request, pooling)
             return
         max_tokens = min(request.max_tokens, self.max_model_len - len(token_ids))
+        constraint = params.structured_outputs
         group = RequestGroup(request_id, list(token_ids), params, request.arrival_time,
                              cache_salt=request.cache_salt.encode() if request.cache_salt else b"",
                              salt_from_token=request.salt_from_token)
@@ -224,6 +231,9 @@ class EngineCore:
                 max_tokens=max_tokens, all_token_ids=list(token_ids), num_prompt_tokens=len(token_ids),
                 arrival_order=next(self._arrival_counter),
                 wants_prompt_logprobs=index == 0 and params.prompt_logprobs is not None,
+                # Compiled once (then copied from the cache) before sequence 0 is queued, so a
+                # grammar error fails this request alone.
+                grammar=self.grammars.new_state(constraint) if constraint is not None else None,
             )
             if index > 0 and self.args.enable_prefix_caching:
                 sequence.wait_for_prompt_of = group.sequences[0]
@@ -305,13 +315,31 @@ class EngineCore:
             sampled = self.sampler(result.logits[:len(requests)], requests)
             sampled_map = {r: (t, lp) for r, t, lp in zip(requests, sampled.token_ids, sampled.logprobs)}
         self.generation_tokens_total += len(requests)
+        failed = self._advance_grammars(requests, sampled.token_ids) if requests else []
         pooled = {chunk.request: float32_bytes(vector) for chunk, vector in result.pooled}
         outputs = self.scheduler.update_from_output(scheduled, sampled_map, pooled)
+        outputs.extend(failed)
         for output in outputs:
             group = self.groups.get(output.request_id)
             if group is not None and group.finished:
                 del self.groups[output.request_id]
         return outputs
+
+    def _advance_grammars(self, requests: list[Request], token_ids: list[int]) -> list[EngineCoreOutput]:
+        """Advance each constrained sequence's matcher by its new token. The mask makes a rejection
+        impossible short of a bug; such a sequence fails with an error instead of going on with
+        output its constraint does not allow."""
+        failed = []
+        for request, token_id in zip(requests, token_ids):
+            if request.grammar is None or request.grammar.accept(token_id):
+                continue
+            message = f"structured outputs: the grammar rejected token {token_id} ({request.grammar.error})"
+            logger.error("request %s: %s", request.group.request_id, message)
+            request.finish_reason = RequestStatus.FINISHED_ERROR.value
+            self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
+            failed.append(EngineCoreOutput(request.group.request_id, request.index, finish_reason="error",
+                                           error=message))
+        return failed
 
     def stats(self) -> EngineStats:
         return EngineStats(

@@ -1,10 +1,11 @@
 """The front end's half of admission: a prompt becomes a validated `EngineCoreRequest`, once.
 
 Every check that depends on the model lives here, for the offline `LLM` and the server alike: the
-prompt is not empty, its token ids are in the vocabulary, it leaves room in the context, and the
-output budget fits. The server's messages follow OpenAI's wording, since its clients parse them.
-A request the model cannot serve (chat to an embedding model, embeddings from a classifier) is a 400
-here, naming what the model does instead.
+prompt is not empty, its token ids are in the vocabulary, it leaves room in the context, the
+output budget fits, and a structured-output constraint is one the grammar engine can enforce. The
+server's messages follow OpenAI's wording, since its clients parse them. A request the model cannot
+serve (chat to an embedding model, embeddings from a classifier) is a 400 here, naming what the
+model does instead.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from kvik.core.pooling_params import PoolingParams
 from kvik.core.sampling_params import OutputKind, SamplingParams
 from kvik.core.tokenizer import Tokenizer
 from kvik.engine.messages import EngineCoreRequest, EngineInfo
+from kvik.engine.structured.grammar import check_constraint
 
 # What each task is called for in the messages, so a user knows which endpoint to use instead.
 _TASK_USES = {"generate": "text generation (/v1/chat/completions, /v1/completions, /v1/responses)",
@@ -95,6 +97,13 @@ class InputProcessor:
         capped to the context."""
         self.check_task("generate")
         self.validate_prompt(token_ids, where)
+        constraint = params.structured_outputs
+        if constraint is not None:
+            check_constraint(constraint)  # cached: the server already checked it off its event loop
+            start = constraint.start_after_token_id
+            if start is not None and not 0 <= start < self.vocab_size:
+                raise InvalidRequestError(f"structured_outputs.start_after_token_id: {start} is outside "
+                                          f"the vocabulary [0, {self.vocab_size})", param="structured_outputs")
         if max_tokens is None:
             max_tokens = self.resolve_max_tokens(params.max_tokens, len(token_ids), where, strict=False)
         return EngineCoreRequest(request_id, list(token_ids), params, max_tokens, arrival_time,

@@ -88,6 +88,9 @@ class Request:
     # from) or pooling that reads every row (mean, CLS).
     needs_whole_prompt: bool = False
     generator: Any = None  # torch.Generator for seeded sampling, created by the sampler
+    # Structured outputs: the sequence's grammar matcher (kvik.engine.structured.matcher.GrammarState),
+    # advanced by each sampled token; it follows the tokens, so preemption keeps it valid.
+    grammar: Any = None
     finish_reason: str | None = None
     stop_reason: int | None = None
 
@@ -120,9 +123,13 @@ def check_stop(request: Request, token_id: int, eos_token_ids: frozenset[int],
                max_model_len: int) -> tuple[RequestStatus, int | None] | None:
     """Token-level stop conditions, checked after `token_id` was appended: end of sequence (unless
     ignore_eos), a stop token id (both only after min_tokens), max_tokens, the context length.
-    Stop strings are text and are checked by the front end."""
+    Stop strings are text and are checked by the front end. A constrained sequence samples an
+    end-of-sequence token only when its grammar is complete, and then stops whatever min_tokens says."""
     params = request.params
     num_output = request.num_output_tokens
+    grammar_done = request.grammar is not None and request.grammar.active and token_id in eos_token_ids
+    if grammar_done:
+        return RequestStatus.FINISHED_STOPPED, None
     if num_output >= params.min_tokens:
         if not params.ignore_eos and token_id in eos_token_ids:
             return RequestStatus.FINISHED_STOPPED, None

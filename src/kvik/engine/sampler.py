@@ -1,9 +1,11 @@
 """Batched sampling: logit processors, then greedy or random choice, and logprobs.
 
 Order per row: logit bias, min_tokens (forbid end-of-sequence tokens), repetition penalty (prompt and
-output tokens, HF's rule), presence and frequency penalties (output tokens, OpenAI's rule), then greedy
-argmax or: temperature, top-k, top-p, min-p, and a draw. Returned logprobs are those of the model's raw
-distribution (log-softmax of the unprocessed logits), as vLLM and OpenAI report them.
+output tokens, HF's rule), presence and frequency penalties (output tokens, OpenAI's rule), the
+grammar's token mask for constrained sequences (structured outputs), then greedy argmax or:
+temperature, top-k, top-p, min-p, and a draw. Returned logprobs are those of the model's raw
+distribution (log-softmax of the unprocessed logits), as vLLM and OpenAI report them: a constrained
+token's logprob says how likely the model found it, not how likely the grammar left it.
 
 A draw is argmax(p / e) with e ~ Exp(1) per vocabulary entry, which picks token i with probability p_i.
 A seeded request draws e from its own generator, one draw per step, so its tokens do not depend on
@@ -18,6 +20,7 @@ import torch
 
 from kvik.engine.messages import TokenLogprobs
 from kvik.engine.request import Request
+from kvik.engine.structured.matcher import GrammarBackend
 
 
 @dataclass(slots=True)
@@ -29,11 +32,12 @@ class SamplerOutput:
 
 class Sampler:
     def __init__(self, vocab_size: int, eos_token_ids: list[int], device: torch.device,
-                 seed: int = 0) -> None:
+                 seed: int = 0, grammars: GrammarBackend | None = None) -> None:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.grammars = grammars
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """logits: (R, V) float32, row i for requests[i]."""
@@ -43,6 +47,12 @@ class Sampler:
         want_logprobs = [r.params.logprobs is not None for r in requests]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
         processed = self._process(logits, requests)
+        constrained = [i for i, r in enumerate(requests) if r.grammar is not None and r.grammar.active]
+        if constrained:
+            if processed is logits:
+                processed = logits.clone()
+            self.grammars.apply_masks(processed, constrained, [requests[i].grammar for i in constrained])
+            self._reopen_end_of_sequence(processed, logits, [requests[i] for i in constrained], constrained)
 
         chosen = torch.empty(rows, dtype=torch.long, device=logits.device)
         greedy = [i for i, r in enumerate(requests) if r.params.greedy]
@@ -95,6 +105,18 @@ class Sampler:
                 counts = torch.bincount(outputs, minlength=vocab)[:vocab].to(values.dtype)
                 values -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
         return processed
+
+    def _reopen_end_of_sequence(self, processed: torch.Tensor, logits: torch.Tensor,
+                                requests: list[Request], rows: list[int]) -> None:
+        """A grammar that is complete allows only the end of sequence, which min_tokens forbids:
+        such a row has no token left. The grammar wins; its end-of-sequence logits come back."""
+        for row, request in zip(rows, requests):
+            if request.num_output_tokens >= request.params.min_tokens:
+                continue
+            if bool(torch.isinf(processed[row]).all()):
+                eos = torch.tensor([t for t in self.eos_token_ids if 0 <= t < processed.shape[-1]],
+                                   device=processed.device)
+                processed[row, eos] = logits[row, eos]
 
     # -- random draw with temperature, top-k, top-p, min-p --
 

@@ -105,8 +105,13 @@ def _randomize(model: Any, std: float, seed: int) -> None:
 
 
 def make_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny", *, seed: int = 0,
-               dtype: str = "float32", max_shard_size: str | None = None) -> Path:
-    """Write a random-weight `arch` model of `size` to `out_dir` and return the path."""
+               dtype: str = "float32", max_shard_size: str | None = None,
+               tokenizer_dir: str | Path | None = None) -> Path:
+    """Write a random-weight `arch` model of `size` to `out_dir` and return the path.
+
+    `tokenizer_dir`: use that HF tokenizer (tokenizer.json + tokenizer_config.json) instead of
+    training one, and size the embeddings to its vocabulary (benchmarks whose cost depends on a
+    real vocabulary, such as grammar masks)."""
     import torch
     import transformers
 
@@ -118,9 +123,13 @@ def make_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny", *, 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
-    tokenizer = train_tokenizer(spec.vocab_size)
-    special = write_tokenizer(out, tokenizer, spec.max_position_embeddings)
-    config = hf_config(arch, spec, max(spec.vocab_size, tokenizer.get_vocab_size()), special["eos"])
+    if tokenizer_dir is None:
+        tokenizer = train_tokenizer(spec.vocab_size)
+        special = write_tokenizer(out, tokenizer, spec.max_position_embeddings)
+        vocab_size = max(spec.vocab_size, tokenizer.get_vocab_size())
+    else:
+        special, vocab_size = _copy_tokenizer(Path(tokenizer_dir), out)
+    config = hf_config(arch, spec, vocab_size, special["eos"])
     config.dtype = dtype
     model = transformers.AutoModelForCausalLM.from_config(config)
     _randomize(model, spec.init_std, seed)
@@ -129,8 +138,29 @@ def make_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny", *, 
     if max_shard_size:
         save_kwargs["max_shard_size"] = max_shard_size
     model.save_pretrained(out, **save_kwargs)
-    generation = {"eos_token_id": [special["eos"], special["im_end"]]}
+    generation = {"eos_token_id": list(dict.fromkeys([special["eos"], special["im_end"]]))}
     if arch == "gpt2":
         generation["bos_token_id"] = special["eos"]
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     return out
+
+
+def _copy_tokenizer(source: Path, out: Path) -> tuple[dict[str, int], int]:
+    """Copy a tokenizer directory; return its end-of-sequence ids (as write_tokenizer names them)
+    and its vocabulary size."""
+    import shutil
+
+    from tokenizers import Tokenizer
+
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (source / name).exists():
+            shutil.copy(source / name, out / name)
+    tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    eos = config.get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    eos_id = tokenizer.token_to_id(eos) if eos else None
+    if eos_id is None:
+        raise ValueError(f"tokenizer at {source}: no eos_token in tokenizer_config.json")
+    im_end = tokenizer.token_to_id("<|im_end|>")
+    return {"eos": eos_id, "im_end": eos_id if im_end is None else im_end}, tokenizer.get_vocab_size()

@@ -40,6 +40,68 @@ class ChatMessage(_Request):
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
+    # A reasoning model's earlier thinking, for templates that render it (vLLM's field).
+    reasoning_content: str | None = None
+
+
+# -- structured outputs --
+
+
+class JsonSchemaFormat(_Request):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str = Field(default="response", max_length=256)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(BaseModel):
+    """vLLM's `structured_outputs`: exactly one constraint. Unknown keys are refused, not ignored:
+    a constraint kvik would silently drop must be a 400."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+# -- tools --
+
+
+class FunctionDefinition(_Request):
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Request):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class _SamplingFields(_Request):
@@ -70,6 +132,16 @@ class _SamplingFields(_Request):
     # Prefix-cache isolation: requests share cached prompt blocks (past the leading system prompt)
     # only with requests carrying the same salt. The gateway sets it per tenant.
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_*
+    # fields; at most one of them per request.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None  # refused: kvik's JSON whitespace is fixed
+    guided_decoding_backend: str | None = None  # ignored: the server has one grammar engine
 
     @field_validator("stop")
     @classmethod
@@ -105,7 +177,9 @@ class ChatCompletionRequest(_SamplingFields):
     # --trust-request-chat-template (it is code the server would run).
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -120,6 +194,7 @@ class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ToolDefinition] | None = None  # rendered into the chat template with the messages
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False

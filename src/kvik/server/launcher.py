@@ -17,6 +17,7 @@ from types import FrameType
 import uvicorn
 
 from kvik.core.config import EngineArgs
+from kvik.core.errors import KvikError
 from kvik.engine.async_llm import AsyncLLM
 from kvik.engine.core_client import EngineStartError
 from kvik.engine.preprocess_pool import PreprocessConfig
@@ -68,6 +69,18 @@ class EngineServer(uvicorn.Server):
             self.should_exit = True
             return
         state.ready = True
+        try:
+            parsers = state.output_parsers()
+        except KvikError as exc:  # e.g. --reasoning-parser for a model without thinking tags
+            state.ready = False
+            state.load_error = exc
+            logger.error("could not start: %s", exc.message)
+            self.exit_code = 1
+            self.should_exit = True
+            return
+        logger.info("tool-call parser: %s; reasoning parser: %s",
+                    parsers.tools.name if parsers.tools else "none",
+                    parsers.reasoning.name if parsers.reasoning else "none")
         logger.info("ready in %.1fs: %s, max_model_len %d, %d KV blocks", time.perf_counter() - started,
                     info.architecture, info.max_model_len, info.num_kv_blocks)
 

@@ -18,6 +18,8 @@ from kvik.core.errors import InvalidRequestError, ModelNotFoundError, ServiceUna
 from kvik.engine.async_llm import AsyncLLM, EngineDeadError
 from kvik.engine.messages import EngineStats
 from kvik.server.metrics import ServerMetrics
+from kvik.server.reasoning import ReasoningParser, resolve_reasoning_parser
+from kvik.server.tool_parsers import DEFAULT_PARSER, TokenVocabulary, ToolParser, resolve_tool_parser
 
 logger = logging.getLogger("kvik.server")
 
@@ -34,8 +36,19 @@ class ServerConfig:
     log_prompts: bool = False
     max_num_seqs: int = 64
     trust_request_chat_template: bool = False  # let requests bring their own chat template
+    tool_call_parser: str = "auto"  # a name in kvik.server.tool_parsers, "auto" or "none"
+    reasoning_parser: str = "auto"  # a name in kvik.server.reasoning, "auto" or "none"
     # SQLite file of stored Responses API responses (`:memory:`: kept only while the server runs).
     responses_store: str = ":memory:"
+
+
+@dataclass(slots=True)
+class OutputParsers:
+    """The model's tool-call format and reasoning parser, resolved once the tokenizer is known."""
+
+    tools: ToolParser | None
+    tool_fallback: ToolParser  # writes forced calls when `tools` is None
+    reasoning: ReasoningParser | None
 
 
 @dataclass(eq=False)
@@ -50,6 +63,7 @@ class ServerState:
     metrics: ServerMetrics = field(init=False)
     idle: asyncio.Event | None = None
     started: int = field(default_factory=lambda: int(time.time()))
+    parsers: OutputParsers | None = None
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.config.served_model_names[0], self.engine_stats)
@@ -83,6 +97,21 @@ class ServerState:
             raise EngineDeadError(f"the engine stopped ({self.engine.dead_reason}); retry on another "
                                   "replica", retry_after=5)
         return self.engine
+
+    def output_parsers(self) -> OutputParsers:
+        """The tool-call and reasoning parsers for this model (from the flags, or detected from its
+        chat template and vocabulary); raises ConfigError for a parser the model cannot use."""
+        if self.parsers is None:
+            tokenizer = self.require_engine().tokenizer
+            default = tokenizer.chat.default
+            template = "\n".join(default.values()) if isinstance(default, dict) else (default or "")
+            vocabulary = TokenVocabulary(tokenizer.backend.token_to_id, tokenizer.special_ids)
+            self.parsers = OutputParsers(
+                tools=resolve_tool_parser(self.config.tool_call_parser, template, vocabulary),
+                tool_fallback=DEFAULT_PARSER(vocabulary),
+                reasoning=resolve_reasoning_parser(self.config.reasoning_parser, template,
+                                                   tokenizer.backend.token_to_id))
+        return self.parsers
 
     @property
     def capacity(self) -> int:

@@ -26,8 +26,9 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
         messages = messages_for_template(body.messages)
         size = sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages)
         engine.input_processor.check_text_size(size, "messages")
+        tools = [tool.model_dump(exclude_unset=True) for tool in body.tools] if body.tools else None
         rendered = await engine.render_chat(messages, add_generation_prompt=body.add_generation_prompt,
-                                            input_bytes=size)
+                                            tools=tools, input_bytes=size)
         tokens = rendered.token_ids
     else:
         if not body.prompt:

@@ -62,16 +62,17 @@ class ChatServing:
                         choices: dict[int, ChoiceAccumulator]) -> dict[str, Any]:
         record: CallRecord = prepared.prompts[0].record
         top_k = body.top_logprobs or 0
+        out = []
+        for index, choice in sorted(choices.items()):
+            message, finish_reason = prepared.assistant.message("".join(choice.text), choice.finish_reason)
+            out.append({
+                "index": index, "message": message,
+                "logprobs": chat_logprobs(choice.logprobs, choice.token_ids, top_k) if body.logprobs else None,
+                "finish_reason": finish_reason, "stop_reason": choice.stop_reason,
+            })
         return {
             "id": prepared.request_id, "object": "chat.completion", "created": int(prepared.arrival),
-            "model": prepared.model, "system_fingerprint": None,
-            "choices": [{
-                "index": index,
-                "message": {"role": "assistant", "content": "".join(choice.text)},
-                "logprobs": chat_logprobs(choice.logprobs, choice.token_ids, top_k) if body.logprobs else None,
-                "finish_reason": choice.finish_reason,
-                "stop_reason": choice.stop_reason,
-            } for index, choice in sorted(choices.items())],
+            "model": prepared.model, "system_fingerprint": None, "choices": out,
             "usage": usage(record.prompt_tokens, record.completion_tokens, record.cached_tokens),
         }
 
@@ -102,19 +103,25 @@ class ChatServing:
                 payload["usage"] = None
             return payload
 
+        choices = [prepared.assistant.stream() for _ in range(body.n)]
         for index in range(body.n):
             yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
                           "logprobs": None, "finish_reason": None}])
         try:
             async for output in stream:
                 for delta in output.outputs:
-                    if not delta.text and not delta.finish_reason and not (body.logprobs and delta.token_ids):
-                        continue
+                    finished = delta.finish_reason is not None
+                    pieces = choices[delta.index].feed(delta.text, finished)
                     logprobs = (chat_logprobs(delta.logprobs or [], delta.token_ids, top_k)
                                 if body.logprobs else None)
-                    yield chunk([{"index": delta.index,
-                                  "delta": {"content": delta.text} if delta.text else {},
-                                  "logprobs": logprobs, "finish_reason": delta.finish_reason}])
+                    if not pieces and (finished or (body.logprobs and delta.token_ids)):
+                        pieces = [{}]
+                    finish = choices[delta.index].finish_reason(delta.finish_reason) if finished else None
+                    for position, piece in enumerate(pieces):
+                        last = position == len(pieces) - 1
+                        yield chunk([{"index": delta.index, "delta": piece,
+                                      "logprobs": logprobs if position == 0 else None,
+                                      "finish_reason": finish if last else None}])
         finally:
             await stream.aclose()
         if include_usage:

@@ -3,12 +3,14 @@
 Everything a request could get wrong is found before anything is queued: the model name, the chat
 template policy, the size of the text (refused before tokenizing when it cannot fit the context),
 rendering and tokenizing (off the event loop for large inputs), the prompt's tokens, the output
-budget, and the sampling parameters. The result, a `PreparedRequest`, is what the serving classes
-stream and what admission counts.
+budget, the sampling parameters, the output constraint (structured outputs, forced tool calls) and
+the tools. The result, a `PreparedRequest`, is what the serving classes stream and what admission
+counts; for chat it carries how to read the output (`AssistantPlan`: reasoning, tool calls).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -17,11 +19,15 @@ from typing import Any
 
 from kvik.core.chat_template import check_template_kwargs
 from kvik.core.errors import InvalidRequestError
-from kvik.core.sampling_params import OutputKind, SamplingParams
+from kvik.core.sampling_params import OutputKind, SamplingParams, StructuredOutputs
 from kvik.engine.async_llm import AsyncLLM
 from kvik.engine.messages import EngineCoreRequest
 from kvik.engine.preprocess_pool import RenderedPrompt
 from kvik.protocol.openai import ChatCompletionRequest, ChatMessage, CompletionRequest, _SamplingFields
+from kvik.server.reasoning import ThinkingState
+from kvik.server.serving.assistant import AssistantPlan
+from kvik.server.serving.constraints import checked, requested_constraint
+from kvik.server.serving.tools import plan_tools, template_tools
 from kvik.server.serving.tracking import CallRecord
 from kvik.server.state import ServerState
 
@@ -43,6 +49,7 @@ class PreparedRequest:
     arrival: float
     engine: AsyncLLM
     prompts: list[PreparedPrompt] = field(default_factory=list)
+    assistant: AssistantPlan = field(default_factory=AssistantPlan)  # chat: how to read the output
 
     @property
     def num_sequences(self) -> int:
@@ -66,12 +73,29 @@ def messages_for_template(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             content = "\n".join(texts)
         entry: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role,
                                  "content": content or ""}
-        for extra in ("name", "tool_call_id", "tool_calls"):
+        for extra in ("name", "tool_call_id", "reasoning_content"):
             value = getattr(message, extra)
             if value is not None:
                 entry[extra] = value
+        if message.tool_calls:
+            entry["tool_calls"] = [_template_tool_call(call) for call in message.tool_calls]
         converted.append(entry)
     return converted
+
+
+def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI sends a call's arguments as a JSON string; chat templates (transformers' convention)
+    expect the object, and write it with `tojson`. Arguments that are not a JSON object stay text."""
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call
+    if not isinstance(arguments, dict):
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def logit_bias_ids(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
@@ -86,7 +110,8 @@ def logit_bias_ids(bias: dict[str, float] | None, vocab_size: int) -> dict[int, 
 
 
 def sampling_params(req: _SamplingFields, max_tokens: int, vocab_size: int, *, logprobs: int | None,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
+                    prompt_logprobs: int | None = None, structured_outputs: StructuredOutputs | None = None,
+                    skip_special_tokens: bool | None = None) -> SamplingParams:
     """OpenAI defaults where the request is silent: temperature 1, top_p 1."""
     return SamplingParams(
         n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
@@ -97,8 +122,9 @@ def sampling_params(req: _SamplingFields, max_tokens: int, vocab_size: int, *, l
         min_tokens=min(req.min_tokens, max_tokens), stop=list(req.stop or []),
         stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
         include_stop_str_in_output=req.include_stop_str_in_output, logprobs=logprobs,
-        prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
-        output_kind=OutputKind.DELTA,
+        prompt_logprobs=prompt_logprobs,
+        skip_special_tokens=req.skip_special_tokens if skip_special_tokens is None else skip_special_tokens,
+        output_kind=OutputKind.DELTA, structured_outputs=structured_outputs,
     )
 
 
@@ -164,24 +190,41 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest, *,
     if requested == 0:
         raise InvalidRequestError("max_tokens: must be at least 1 for chat", param="max_tokens")
     processor = engine.input_processor
-    input_bytes = _text_bytes(messages) + (_text_bytes(body.tools) if body.tools else 0)
+    tools = template_tools(body)
+    parsers = state.output_parsers()
+    tool_plan = await plan_tools(body, parsers.tools, parsers.tool_fallback)
+    wanted = requested_constraint(body)
+    input_bytes = _text_bytes(messages) + (_text_bytes(tools) if tools else 0)
     processor.check_text_size(_text_bytes([m["content"] for m in messages]), "messages")
     if rendered is None:
         rendered = await engine.render_chat(messages, add_generation_prompt=body.add_generation_prompt,
-                                            template=template, tools=body.tools, template_kwargs=kwargs,
+                                            template=template, tools=tools, template_kwargs=kwargs,
                                             input_bytes=input_bytes)
     ids = rendered.token_ids
     # The context check first, so an over-long conversation names `messages`, not `prompt`.
     max_tokens = processor.resolve_max_tokens(requested, len(ids), "messages")
+    assistant = AssistantPlan(tools=tool_plan.parser, parallel_tool_calls=tool_plan.parallel)
+    # Forced tool calls take precedence over a response format: the answer is the call.
+    constraint = tool_plan.constraint
+    if constraint is None and wanted is not None:
+        constraint = await checked(wanted.constraint, wanted.param)
+    if parsers.reasoning is not None:
+        assistant.reasoning = parsers.reasoning
+        assistant.thinking = parsers.reasoning.thinking_state(ids, engine.tokenizer.decode)
+        if constraint is not None and assistant.thinking is not ThinkingState.CLOSED:
+            constraint = dataclasses.replace(constraint, start_after_token_id=parsers.reasoning.end_token_id)
+    # Markers that are special tokens (Mistral's [TOOL_CALLS]) must survive detokenizing.
+    keep_special = assistant.tools is not None and assistant.tools.needs_special_tokens
     top_k = body.top_logprobs or 0
-    params = sampling_params(body, max_tokens, processor.vocab_size, logprobs=top_k if body.logprobs else None)
+    params = sampling_params(body, max_tokens, processor.vocab_size, logprobs=top_k if body.logprobs else None,
+                             structured_outputs=constraint, skip_special_tokens=False if keep_special else None)
     salt_from = 0
     if body.cache_salt:
-        salt_from = await _system_prompt_tokens(engine, messages, rendered.text, template, body.tools, kwargs)
+        salt_from = await _system_prompt_tokens(engine, messages, rendered.text, template, tools, kwargs)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     request = processor.make_request(request_id, ids, params, arrival, max_tokens=max_tokens,
                                      cache_salt=body.cache_salt, salt_from_token=salt_from, where="messages")
-    prepared = PreparedRequest(request_id, model, arrival, engine)
+    prepared = PreparedRequest(request_id, model, arrival, engine, assistant=assistant)
     prepared.prompts.append(PreparedPrompt(rendered.text, ids, request, CallRecord(prompt_tokens=len(ids))))
     return prepared
 
@@ -200,6 +243,11 @@ async def prepare_completion(state: ServerState, body: CompletionRequest) -> Pre
         raise InvalidRequestError("max_tokens: must be at least 1 (0 only with echo)", param="max_tokens")
     score_only = body.echo and body.max_tokens == 0
     processor = engine.input_processor
+    wanted = requested_constraint(body)
+    constraint = await checked(wanted.constraint, wanted.param) if wanted is not None else None
+    if constraint is not None and score_only:
+        raise InvalidRequestError("max_tokens: 0 scores the prompt; an output constraint needs output",
+                                  param="max_tokens")
     prompts = await _completion_prompts(engine, body.prompt)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     prepared = PreparedRequest(request_id, model, arrival, engine)
@@ -220,7 +268,8 @@ async def prepare_completion(state: ServerState, body: CompletionRequest) -> Pre
                 exc.message = f"prompt {index}: {exc.message}"
             raise
         params = sampling_params(body, max_tokens, processor.vocab_size, logprobs=k,
-                                 prompt_logprobs=k if body.echo and k is not None else None)
+                                 prompt_logprobs=k if body.echo and k is not None else None,
+                                 structured_outputs=constraint)
         request = processor.make_request(f"{request_id}-{index}", ids, params, arrival, max_tokens=max_tokens,
                                          cache_salt=body.cache_salt)
         prepared.prompts.append(PreparedPrompt(text, ids, request, CallRecord(prompt_tokens=len(ids))))

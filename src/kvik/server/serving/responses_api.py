@@ -40,6 +40,7 @@ from kvik.server.serving.chat import ChatServing
 from kvik.server.serving.preprocess import PreparedRequest, messages_for_template, prepare_chat
 from kvik.server.serving.response_store import ResponseStore, StoredConversation, StoredResponse
 from kvik.server.serving.streams import SSEResponse, unless_disconnected
+from kvik.server.serving.tools import template_tools
 from kvik.server.serving.tracking import Admission, tracked_generate
 from kvik.server.state import ServerState
 
@@ -132,21 +133,21 @@ class ResponsesServing:
         try:
             chat = ChatCompletionRequest.model_validate(items.chat_fields(body, messages))
         except ValidationError as exc:
-            first = exc.errors()[0]
-            raise InvalidRequestError(f"input: {first.get('msg')} (at {'.'.join(map(str, first.get('loc', ())))} "
-                                      "of the conversation)", param="input") from None
+            raise _chat_validation_error(exc) from None
         rendered = None
         if previous is not None:
             rendered = await continuation(engine, previous.conversation, messages_for_template(chat.messages),
-                                          chat.tools)
+                                          template_tools(chat))
         try:
             prepared = await prepare_chat(state, chat, rendered=rendered)
         except InvalidRequestError as exc:
             # The chat path's names for what the Responses API calls input and max_output_tokens.
-            for chat_name, name in (("messages", "input"), ("max_tokens", "max_output_tokens")):
+            for chat_name, name in (("messages", "input"), ("max_tokens", "max_output_tokens"),
+                                    ("response_format.json_schema", "text.format"),
+                                    ("response_format", "text.format")):
                 exc.message = exc.message.replace(chat_name, name)
-                if exc.param == chat_name:
-                    exc.param = name
+                if exc.param is not None and (exc.param == chat_name or exc.param.startswith(chat_name + ".")):
+                    exc.param = name + exc.param[len(chat_name):]
             raise
         return Turn(body, chat, history, prepared)
 
@@ -331,6 +332,24 @@ async def continuation(engine: AsyncLLM, previous: StoredConversation, messages:
         return rendered
     rest = tokenizer.encode(rendered.text[len(prefix):], add_special_tokens=False)
     return RenderedPrompt(rendered.text, previous.prompt_token_ids + output_ids + rest)
+
+
+# Chat fields a Responses request fills from its own fields of another name.
+_RESPONSES_NAMES = {"tools": "tools", "tool_choice": "tool_choice", "response_format": "text.format",
+                    "parallel_tool_calls": "parallel_tool_calls"}
+
+
+def _chat_validation_error(exc: ValidationError) -> InvalidRequestError:
+    """A 400 naming the Responses field behind the chat field that failed validation: a bad tool
+    definition names `tools`, a bad schema `text.format`, anything else the conversation (`input`)."""
+    first = exc.errors()[0]
+    loc = tuple(first.get("loc", ()))
+    where = ".".join(map(str, loc))
+    name = _RESPONSES_NAMES.get(str(loc[0])) if loc else None
+    if name is None:
+        return InvalidRequestError(f"input: {first.get('msg')} (at {where} of the conversation)", param="input")
+    return InvalidRequestError(f"{name}: {first.get('msg')} (at {where} of the equivalent chat request)",
+                               param=name)
 
 
 def _failure(exc: BaseException) -> tuple[int, dict[str, Any]]:

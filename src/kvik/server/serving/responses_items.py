@@ -14,7 +14,6 @@ import uuid
 from typing import Any
 
 from kvik.core.errors import InvalidRequestError
-from kvik.protocol.openai import ChatCompletionRequest
 from kvik.protocol.responses import ResponsesRequest
 
 _TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
@@ -23,12 +22,6 @@ _ROLES = ("user", "assistant", "system", "developer")
 
 def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
-
-
-def chat_supports(field: str) -> bool:
-    """Whether this server's chat API implements a field (tool calling brings `tool_choice`,
-    structured output `response_format`): the Responses API never sends what chat would ignore."""
-    return field in ChatCompletionRequest.model_fields
 
 
 def _text_of(content: Any, where: str, role: str) -> str:
@@ -153,20 +146,12 @@ def chat_fields(body: ResponsesRequest, messages: list[dict[str, Any]]) -> dict[
                               "seed": body.seed, "user": body.user, "cache_salt": body.cache_salt}
     tools = chat_tools(body)
     if tools:
-        if not chat_supports("tool_choice"):
-            raise InvalidRequestError("tools: function calling is not available on this server yet (its "
-                                      "chat API does not parse tool calls); send the request without "
-                                      "tools", param="tools")
         fields["tools"] = tools
         fields["tool_choice"] = chat_tool_choice(body.tool_choice)
-        if body.parallel_tool_calls is not None and chat_supports("parallel_tool_calls"):
-            fields["parallel_tool_calls"] = body.parallel_tool_calls
-    response_format = chat_response_format(body)
-    if response_format is not None:
-        if not chat_supports("response_format"):
-            raise InvalidRequestError("text.format: structured output is not available on this server "
-                                      "yet; leave text.format out", param="text.format")
-        fields["response_format"] = response_format
+        fields["parallel_tool_calls"] = body.parallel_tool_calls
+    elif body.tool_choice not in (None, "none", "auto"):
+        raise InvalidRequestError("tool_choice: is only allowed when tools are given", param="tool_choice")
+    fields["response_format"] = chat_response_format(body)
     return {key: value for key, value in fields.items() if value is not None}
 
 
