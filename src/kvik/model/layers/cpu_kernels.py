@@ -43,7 +43,8 @@ def _fingerprint(source: bytes) -> str:
     return digest.hexdigest()[:12]
 
 
-SOURCES = ("paged_attention_cpu.cpp", "fused_ops_cpu.cpp", "gemv_cpu.cpp", "decode_stack_cpu.cpp")
+SOURCES = ("paged_attention_cpu.cpp", "fused_ops_cpu.cpp", "gemv_cpu.cpp", "weight_only_cpu.cpp",
+           "decode_stack_cpu.cpp")
 HEADERS = ("kernels.h",)
 
 
