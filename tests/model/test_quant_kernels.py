@@ -23,9 +23,18 @@ FORMATS = [("bfloat16", 0, False), ("int8", 0, False), ("int4", 32, False), ("in
            ("int4", 128, False)]
 
 
+@pytest.fixture(params=["vector", "portable"])
+def code_path(kernels, request):
+    """The AVX2 kernels (where this CPU has AVX2) and the plain loops every other CPU runs."""
+    kernels.set_portable_kernels(request.param == "portable")
+    yield request.param
+    kernels.set_portable_kernels(False)
+
+
 @pytest.mark.parametrize("kind,group,zero_point", FORMATS)
 @pytest.mark.parametrize("out_features,in_features,bias", [(1280, 768, False), (100, 200, True), (16, 64, True)])
-def test_weight_only_linear_matches_torch(kernels, kind, group, zero_point, out_features, in_features, bias):
+def test_weight_only_linear_matches_torch(kernels, code_path, kind, group, zero_point, out_features,
+                                          in_features, bias):
     """Rows 1-4 (decode), 5-16 (the small-batch kernel in passes of four), 17+ (the widened GEMM):
     all equal F.linear on the dequantized weight, computed by PyTorch from the packed buffers."""
     torch.manual_seed(out_features + in_features)

@@ -5,7 +5,8 @@ num_blocks, block_size, head_dim) in float32, bfloat16 or int8 (with per-token s
 absolute position p of a sequence lives in slot `block_table[p // block_size] * block_size +
 p % block_size` of every head. Heads come first so that gathering a sequence's blocks yields
 (heads, tokens, head_dim) with the last two dimensions contiguous, which is what the CPU SDPA kernels
-want (a strided layout is several times slower). Each step writes the new tokens' keys and values into their slots, then attends:
+want (a strided layout is several times slower). Each step writes the new tokens' keys and values into
+their slots, then attends:
 
 - decodes (one query token per sequence; they come first in the batch) in one batched SDPA call over
   keys gathered through the block tables, padded to the longest sequence and masked (the mask is

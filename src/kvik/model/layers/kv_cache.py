@@ -9,6 +9,8 @@ int8 is symmetric per token and head (scale = amax / 127, rounded to float16). A
 fixed when it is written, so a block never needs requantizing as it fills, chunked prefill and token-by-
 token decoding store the same bytes, and one outlier token (an attention sink) cannot coarsen its
 neighbours. The scales cost 2 bytes per head_dim bytes: 3.9x the tokens of float32 per byte at D=64.
+A prompt's own keys and values pass through `round_trip` before it attends to them, so attention
+always sees what the cache returns, whether the prompt arrived whole, in chunks or after a prefix hit.
 """
 
 from __future__ import annotations

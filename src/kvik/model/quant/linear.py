@@ -38,7 +38,8 @@ class WeightOnlyLinear(nn.Module):
         super().__init__()
         if kind not in FORMAT_CODES:
             raise ValueError(f"weight format {kind!r} is not one of {', '.join(FORMAT_CODES)}")
-        self.kind, self.in_features, self.out_features, self.group_size = kind, in_features, out_features, group_size
+        self.kind, self.group_size = kind, group_size
+        self.in_features, self.out_features = in_features, out_features
         self.register_buffer("data", data)
         self.register_buffer("scales", scales)
         self.register_buffer("offsets", offsets)

@@ -35,7 +35,8 @@ class QuantScheme:
         if self.kind not in WEIGHT_KINDS:
             raise ConfigError(f"weight format {self.kind!r} is not one of {', '.join(WEIGHT_KINDS)}")
         if self.kind == "int4" and self.group_size not in INT4_GROUP_SIZES:
-            raise ConfigError(f"quantization_group_size: int4 group size {self.group_size} is not one of {INT4_GROUP_SIZES}")
+            raise ConfigError(f"quantization_group_size: int4 group size {self.group_size} is not one of "
+                              f"{INT4_GROUP_SIZES}")
         if self.lm_head_kind is not None and self.lm_head_kind not in WEIGHT_KINDS:
             raise ConfigError(f"LM head format {self.lm_head_kind!r} is not one of {', '.join(WEIGHT_KINDS)}")
 

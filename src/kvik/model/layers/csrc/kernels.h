@@ -63,7 +63,9 @@ void check_linear_weight(const LinearWeight& weight);  // throws unless shapes a
 at::Tensor weight_only_linear(const at::Tensor& x, const LinearWeight& weight);
 // The dense weight, transposed: (in_features, out_features) float32 or bfloat16, for prefill GEMMs.
 at::Tensor dequantize_transposed(const LinearWeight& weight, bool bfloat16);
-// Human-readable name of the vector instructions this build was compiled for (-march=native).
+// The vector instructions the weight-only kernels use: "avx2", or "portable" (plain loops, compiled
+// for whatever -march=native offers); set_portable_kernels(true) forces the plain loops (tests).
 const char* simd_isa();
+void set_portable_kernels(bool portable);
 
 }  // namespace kvik

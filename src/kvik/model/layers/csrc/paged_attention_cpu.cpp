@@ -43,7 +43,8 @@ inline float widen(c10::BFloat16 v) {
 }
 
 template <typename T>
-void decode_attention_impl(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+void decode_attention_impl(const at::Tensor& query, const at::Tensor& key_cache,
+                           const at::Tensor& value_cache,
                            const c10::Half* key_scales, const c10::Half* value_scales,
                            const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
                            at::Tensor& out) {
@@ -136,7 +137,8 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& key_cache,
   });
 }
 
-const c10::Half* scales_of(const at::Tensor& cache, const c10::optional<at::Tensor>& scales, const char* name) {
+const c10::Half* scales_of(const at::Tensor& cache, const c10::optional<at::Tensor>& scales,
+                           const char* name) {
   if (cache.scalar_type() != at::kChar) return nullptr;
   TORCH_CHECK(scales.has_value() && scales->defined() && scales->scalar_type() == at::kHalf &&
                   scales->is_contiguous() && scales->numel() * cache.size(-1) == cache.numel(),
@@ -149,8 +151,9 @@ const c10::Half* scales_of(const at::Tensor& cache, const c10::optional<at::Tens
 namespace kvik {
 
 void decode_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                      const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, at::Tensor& out,
-                      const c10::optional<at::Tensor>& key_scales, const c10::optional<at::Tensor>& value_scales) {
+                      const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                      at::Tensor& out, const c10::optional<at::Tensor>& key_scales,
+                      const c10::optional<at::Tensor>& value_scales) {
   TORCH_CHECK(query.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "float32 queries");
   TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous() &&
               block_tables.is_contiguous() && seq_lens.is_contiguous() && out.is_contiguous(),
