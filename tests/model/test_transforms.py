@@ -126,3 +126,22 @@ def test_compiled_path_equals_pytorch_path(model_dir_factory, monkeypatch, engin
         assert output.outputs[0].token_ids == want.token_ids
         for got_step, want_step, token in zip(output.outputs[0].logprobs, want.logprobs, want.token_ids):
             assert abs(got_step[token].logprob - want_step[token].logprob) < 1e-3
+
+
+def test_layers_a_loader_quantized_get_the_kernels(model_dir_factory):
+    """A loader of pre-quantized checkpoints builds WeightOnlyLinear from its own int4 values, scales
+    and zero points (WeightOnlyLinear.from_int4); the entry point gives them the compiled kernels."""
+    from kvik.model.quant.reference import quantize_int4
+
+    model, cfg = loaded(model_dir_factory("llama"))
+    mlp = model.model.layers[0].mlp
+    original = mlp.down_proj
+    mlp.down_proj = WeightOnlyLinear.from_int4(quantize_int4(original.weight, 32, zero_point=True))
+    report = optimize_for_inference(model, CPU, torch.float32)
+    if report.kernels is None:
+        pytest.skip("no C++ toolchain")
+    assert report.quantized_linears == 1 and mlp.down_proj.kernel_weight() is not None
+    x = torch.randn(3, original.in_features)
+    with torch.inference_mode():
+        assert torch.allclose(mlp.down_proj(x), torch.nn.functional.linear(x, mlp.down_proj.dequantize()),
+                              atol=1e-5)

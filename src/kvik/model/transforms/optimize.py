@@ -83,9 +83,14 @@ def optimize_for_inference(model: nn.Module, device: torch.device, dtype: torch.
     report.kernels = kernels
     if kernels is not None and hasattr(kernels, "simd_isa"):
         report.kernel_isa = kernels.simd_isa()
+    native = cpu_has_native_bf16() if bf16_gemm is None else bf16_gemm
     if weights is not None:
-        native = cpu_has_native_bf16() if bf16_gemm is None else bf16_gemm
         report.quantized_linears = quantize_model(model, weights, kernels, bf16_gemm=native)
+    # Layers a loader built already quantized (GGUF, GPTQ, AWQ) get the kernels too.
+    for module in model.modules():
+        if isinstance(module, WeightOnlyLinear) and module.kernel_weight() is None and kernels is not None:
+            module.enable_kernels(kernels, bf16_gemm=native and module.kind == "bfloat16")
+            report.quantized_linears += 1
     if cpu_float32 and enabled and onednn_available():
         report.packed_linears, report.small_batch_linears = pack_linears_for_onednn(model, kernels)
     if kernels is not None:
