@@ -84,3 +84,32 @@ def test_lsh_parameters_and_threshold_come_from_the_config() -> None:
         assert (found is not None) == expect_duplicate, (bands, threshold, found)
         if found:
             assert found.of == "a" and 0.7 <= found.similarity < 1
+
+
+def test_tables_sharded_by_band_find_what_one_table_finds() -> None:
+    """The Ray executor's split: the union of the candidates from band-range shards equals the
+    candidates of one table of all the bands, document by document, for copies that share many,
+    few or no bands with their originals."""
+    from kvik.data.minhash import BandTables, band_ranges
+
+    rng = random.Random(3)
+    config = NearDedupConfig()
+    texts = speeches(limit=60)
+    for changes in (1, 3, 8, 20):
+        for i in rng.sample(range(60), 10):
+            text = texts[i]
+            for _ in range(changes):
+                text = change_one_word(text, rng)
+            texts.append(text)
+    signatures = [(key, signature(text, config)) for key, text in enumerate(texts)]
+    whole = BandTables(config)
+    expected = whole.query_insert(signatures)
+    assert sum(1 for found in expected if found) >= 15  # duplicates were found at all
+    assert any(len(found) == 0 for found in expected[60:])  # and some heavy edits escaped
+    for shards in (2, 3, 8, 100):
+        parts = [BandTables(config, first, last) for first, last in band_ranges(config.bands, shards)]
+        answers = [part.query_insert(signatures) for part in parts]
+        union = [sorted(set().union(*(answer[n] for answer in answers))) for n in range(len(signatures))]
+        assert union == expected
+        if shards == 8:  # two bands per shard: a shard alone misses candidates, the union is needed
+            assert any(answers[0][n] != expected[n] for n in range(len(signatures)))

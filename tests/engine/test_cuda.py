@@ -17,8 +17,8 @@ PROMPTS = ["Hello", "The capital of France is", "Once upon a time there was a sm
 
 def test_auto_picks_cuda_and_half_precision(tiny_llama):
     llm = LLM(str(tiny_llama), show_progress=False)
-    assert llm.engine.device.type == "cuda"
-    assert llm.engine.dtype in (torch.bfloat16, torch.float16)
+    assert llm.engine.core.device.type == "cuda"
+    assert llm.engine.core.dtype in (torch.bfloat16, torch.float16)
     out = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert all(len(o.outputs[0].token_ids) == 8 for o in out)
 

@@ -50,7 +50,7 @@ def test_failed_batch_leaves_no_request_behind(llm):
     with pytest.raises(InvalidRequestError):
         llm.generate([[1, 2], []], SamplingParams())
     assert not llm.engine.has_unfinished_requests()
-    assert llm.engine.kv.num_free_blocks() == llm.engine.kv.pool.num_blocks
+    assert llm.engine.core.kv.num_free_blocks() == llm.engine.core.kv.pool.num_blocks
 
 
 def test_unknown_architecture(tiny_llama, tmp_path):

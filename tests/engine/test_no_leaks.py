@@ -9,9 +9,9 @@ from kvik.core.sampling_params import OutputKind
 
 
 def assert_no_leaks(engine) -> None:
-    pool = engine.kv.pool
+    pool = engine.core.kv.pool
     pool.check_invariants()
-    assert not engine.kv.block_tables, "a finished sequence still holds a block table"
+    assert not engine.core.kv.block_tables, "a finished sequence still holds a block table"
     assert all(block.ref_count == 0 for block in pool.blocks)
     assert pool.num_free_blocks == pool.num_blocks  # every block free (cached ones are evictable)
 
@@ -38,10 +38,10 @@ def test_random_mix_of_finish_abort_and_preemption(tiny_llama):
         for output in engine.step():
             if output.finished and output.request_id in live:
                 live.remove(output.request_id)
-        engine.kv.pool.check_invariants()
+        engine.core.kv.pool.check_invariants()
     while engine.has_unfinished_requests():
         engine.step()
-    assert engine.scheduler.num_preemptions > 0
+    assert engine.core.scheduler.num_preemptions > 0
     assert_no_leaks(engine)
 
 
@@ -52,7 +52,7 @@ def test_abort_of_waiting_and_running_requests(tiny_llama):
     engine.add_request("running", "Hello there", params)
     engine.add_request("waiting", "General Kenobi", params)
     engine.step()
-    assert engine.kv.block_tables  # the running one holds blocks
+    assert engine.core.kv.block_tables  # the running one holds blocks
     assert engine.abort_request("running") and engine.abort_request("waiting")
     assert not engine.abort_request("never-existed")
     assert_no_leaks(engine)

@@ -71,8 +71,8 @@ def test_small_batches_match_hf(arch_case):
     """Steps of 1-4 decodes take the small-batch path: the GEMV on packed weights and, for the
     Llama family without q/k norm, the compiled stack of all layers in one call."""
     arch, _, llm, prompts, reference = arch_case
-    if llm.engine.cpu_kernels is not None and arch in ("llama", "qwen2", "mistral"):
-        assert llm.engine.model.model.decode_stack is not None
+    if llm.engine.core.cpu_kernels is not None and arch in ("llama", "qwen2", "mistral"):
+        assert llm.engine.core.model.model.decode_stack is not None
     for group in ([0], [2, 4, 6], [1, 3, 5, 7]):
         outputs = llm.generate([prompts[i] for i in group], greedy(logprobs=3))
         assert_matches(outputs, [reference[i] for i in group], check_logprobs=True)
@@ -83,7 +83,7 @@ def test_plain_pytorch_path_matches_hf(arch_case, monkeypatch):
     _, path, _, prompts, reference = arch_case
     monkeypatch.setenv("KVIK_CPU_KERNELS", "0")
     llm = LLM(str(path), show_progress=False)
-    assert llm.engine.cpu_kernels is None
+    assert llm.engine.core.cpu_kernels is None
     assert_matches(llm.generate(prompts, greedy()), reference)
 
 
@@ -99,9 +99,9 @@ def test_prefix_cache_hits_match_hf(arch_case):
     _, path, _, prompts, reference = arch_case
     llm = LLM(str(path), show_progress=False, block_size=4)
     llm.generate(prompts[-2:], greedy())  # warms the cache with the shared prefix
-    before = llm.engine.kv.prefix_cache_hits
+    before = llm.engine.core.kv.prefix_cache_hits
     outputs = llm.generate(prompts, greedy())
-    assert llm.engine.kv.prefix_cache_hits - before >= len(prompts[-1]) // 4 * 4 - 4
+    assert llm.engine.core.kv.prefix_cache_hits - before >= len(prompts[-1]) // 4 * 4 - 4
     assert_matches(outputs, reference)
     assert outputs[-1].num_cached_tokens > 0
 
@@ -114,9 +114,9 @@ def test_preemption_matches_hf(arch_case):
               kv_cache_memory=10 * _block_bytes(path, 4))
     short = [(p, r) for p, r in zip(prompts, reference) if len(p) + MAX_NEW <= 40]
     outputs = llm.generate([p for p, _ in short], greedy())
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.core.scheduler.num_preemptions > 0
     assert_matches(outputs, [r for _, r in short])
-    llm.engine.kv.pool.check_invariants()
+    llm.engine.core.kv.pool.check_invariants()
 
 
 def test_prompt_logprobs_match_hf(arch_case):

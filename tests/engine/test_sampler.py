@@ -108,8 +108,9 @@ def test_logprobs_report_raw_distribution_with_ranks():
     raw = torch.log_softmax(logits[0], -1)
     entry = out.logprobs[0]
     assert out.token_ids == [3]
-    assert entry[3].rank == 4 and abs(entry[3].logprob - raw[3].item()) < 1e-6
-    assert entry[1].rank == 1 and entry[2].rank == 2
+    # The chosen token first, then the top-2 alternatives of the raw distribution.
+    assert entry.token_ids == [3, 1, 2] and entry.ranks == [4, 1, 2]
+    assert abs(entry.logprobs[0] - raw[3].item()) < 1e-6
 
 
 def test_seeded_requests_ignore_batch_composition(tiny_llama):
@@ -135,5 +136,5 @@ def test_n_choices_share_prompt_blocks_and_differ(tiny_llama):
     assert len({tuple(c.token_ids) for c in output.outputs}) > 1
     prompt_len = len(output.prompt_token_ids)
     # Siblings 1 and 2 found the prompt's full blocks in the cache.
-    assert llm.engine.kv.prefix_cache_hits >= 2 * ((prompt_len - 1) // 4) * 4
+    assert llm.engine.core.kv.prefix_cache_hits >= 2 * ((prompt_len - 1) // 4) * 4
     assert llm.generate([prompt], params)[0].outputs[1].token_ids == output.outputs[1].token_ids

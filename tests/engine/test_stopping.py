@@ -49,7 +49,7 @@ def test_stop_token_id(llm):
 
 def test_eos_stops_unless_ignored_and_min_tokens_delays_it(llm):
     # Force EOS with a logit bias: the first token is EOS.
-    eos = llm.engine.eos_token_ids[0]
+    eos = llm.engine.info.eos_token_ids[0]
     params = SamplingParams(temperature=0, max_tokens=10, logit_bias={eos: 100})
     out = llm.generate(["Hello"], params)[0].outputs[0]
     assert out.token_ids == [eos] and out.finish_reason == "stop" and out.text == ""
@@ -83,7 +83,7 @@ def test_streaming_deltas_never_show_a_cut_stop_string(llm):
 def test_padded_vocab_ids_decode_to_nothing(model_dir_factory):
     path = model_dir_factory("qwen2")  # config vocab 576 > tokenizer 512
     llm = LLM(str(path), show_progress=False)
-    assert llm.engine.model_config.vocab_size > llm.engine.tokenizer.vocab_size
+    assert llm.engine.info.vocab_size > llm.engine.tokenizer.vocab_size
     beyond = llm.engine.tokenizer.vocab_size + 3
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias={beyond: 100})
     out = llm.generate(["Hello"], params)[0].outputs[0]

@@ -57,3 +57,51 @@ def test_packed_gemv_matches_linear(kernels, out_features, in_features, bias):
             assert torch.allclose(packed(x), linear(x), rtol=1e-4, atol=1e-4)
         x = torch.randn(2, 1, in_features)  # any leading shape
         assert packed(x).shape == (2, 1, out_features)
+
+
+def _hold_lock_and_hang(target: str, lock: str, started) -> None:
+    """A builder that takes the lock, then hangs mid-build (killed by the test)."""
+    import time
+    from pathlib import Path
+
+    from kvik.model.layers.cpu_kernels import build_once
+
+    def build(path: Path) -> None:
+        Path(str(path) + ".partial").write_bytes(b"half a library")
+        started.set()
+        time.sleep(600)
+
+    build_once(Path(target), Path(lock), build=build, load=lambda path: None)
+
+
+def test_a_builder_killed_mid_build_never_blocks_the_next_start(tmp_path):
+    """Issue 10, finding 10: torch's lock file outlived a killed build and hung every later start.
+    The flock dies with its holder, and the library only ever appears whole."""
+    import multiprocessing
+    import os
+    import signal
+    import time
+
+    from kvik.model.layers.cpu_kernels import build_once
+
+    target, lock = tmp_path / "kernels.so", tmp_path / "kernels.lock"
+    spawn = multiprocessing.get_context("spawn")
+    started = spawn.Event()
+    holder = spawn.Process(target=_hold_lock_and_hang, args=(str(target), str(lock), started))
+    holder.start()
+    assert started.wait(60), "the first builder never started"
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.join(10)
+    assert lock.exists() and not target.exists()
+
+    def build(path):
+        scratch = path.with_suffix(".tmp")
+        scratch.write_bytes(b"library")
+        os.replace(scratch, path)
+        return "built"
+
+    began = time.monotonic()
+    assert build_once(target, lock, build=build, load=lambda path: "loaded") == "built"
+    assert time.monotonic() - began < 5
+    assert target.read_bytes() == b"library"
+    assert build_once(target, lock, build=build, load=lambda path: "loaded") == "loaded"

@@ -112,13 +112,13 @@ def test_compiled_path_equals_pytorch_path(model_dir_factory, monkeypatch, engin
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)
     prompts = PROMPTS + [[p + 1 for p in prompt] for prompt in PROMPTS] + PROMPTS[:3]
     compiled = LLM(path, show_progress=False, block_size=4, max_num_batched_tokens=16, **engine_args)
-    if compiled.engine.cpu_kernels is None:
+    if compiled.engine.core.cpu_kernels is None:
         pytest.skip("no C++ toolchain")
     runs = [compiled.generate([p], params)[0] for p in prompts[:2]]
     runs += compiled.generate(prompts[:4], params) + compiled.generate(prompts, params)
     monkeypatch.setenv("KVIK_CPU_KERNELS", "0")
     plain = LLM(path, show_progress=False, block_size=4, **engine_args)
-    assert plain.engine.cpu_kernels is None
+    assert plain.engine.core.cpu_kernels is None
     expected = plain.generate(prompts, params)
     by_prompt = {tuple(o.prompt_token_ids): o.outputs[0] for o in expected}
     for output in runs:

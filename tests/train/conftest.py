@@ -28,3 +28,16 @@ def shards_dir(tmp_path_factory) -> Path:
 def base_model_dir(tiny_llama: Path) -> Path:
     """`kvik make-model --arch llama --size tiny`: random weights, ChatML template."""
     return tiny_llama
+
+
+@pytest.fixture(scope="session")
+def single_process_losses(shards_dir: Path, tmp_path_factory) -> list[float]:
+    """Losses of 4 steps of 8 samples in one process: what 2 ranks x 4 samples must reproduce."""
+    from tests.train.helpers import pretrain_config, train_losses
+
+    from kvik.train.config import train_config_from_dict
+    from kvik.train.trainer import train
+
+    out = tmp_path_factory.mktemp("single")
+    train(train_config_from_dict(pretrain_config(out, shards_dir, max_steps=4, micro_batch_size=8)))
+    return train_losses(out)

@@ -40,3 +40,11 @@ CHATS = [
     [{"role": "user", "content": "What is two plus two?"},
      {"role": "assistant", "content": "Four."}],
 ]
+
+
+def train_losses(out: Path) -> list[float]:
+    """The training loss of every step, from the run's metrics.jsonl."""
+    import json
+
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records if "loss" in r]

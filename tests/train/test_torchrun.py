@@ -13,10 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from tests.train.helpers import pretrain_config
-
-from kvik.train.config import train_config_from_dict
-from kvik.train.trainer import train
+from tests.train.helpers import pretrain_config, train_losses
 
 pytestmark = pytest.mark.slow
 
@@ -44,18 +41,6 @@ def _finish(process: subprocess.Popen, timeout: float) -> str:
     return output
 
 
-def _train_losses(out: Path) -> list[float]:
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in records if "loss" in r]
-
-
-@pytest.fixture(scope="module")
-def single_process_losses(shards_dir: Path, tmp_path_factory) -> list[float]:
-    out = tmp_path_factory.mktemp("single")
-    train(train_config_from_dict(pretrain_config(out, shards_dir, max_steps=4, micro_batch_size=8)))
-    return _train_losses(out)
-
-
 def _two_process_config(out: Path, shards_dir: Path, strategy: str) -> dict:
     # 2 ranks x 4 samples read the same 8 samples per step as 1 rank x 8 (see kvik.train.batches).
     return pretrain_config(out, shards_dir, max_steps=4, micro_batch_size=4,
@@ -67,7 +52,7 @@ def test_ddp_matches_one_process_with_the_same_global_batch(shards_dir: Path, tm
     from transformers import AutoModelForCausalLM
 
     _finish(_torchrun(_two_process_config(tmp_path / "out", shards_dir, "ddp"), tmp_path), timeout=240)
-    assert _train_losses(tmp_path / "out") == pytest.approx(single_process_losses, abs=2e-4)
+    assert train_losses(tmp_path / "out") == pytest.approx(single_process_losses, abs=2e-4)
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "out").num_parameters() > 0
 
 
@@ -82,7 +67,7 @@ def test_fsdp_stops_resumes_and_matches_one_process(shards_dir: Path, tmp_path: 
     assert "stopped" in output and "at step 2" in output
     output = _finish(_torchrun(config, tmp_path), timeout=240)
     assert "resumed from" in output and "step-00000002" in output
-    assert _train_losses(tmp_path / "out") == pytest.approx(single_process_losses, abs=2e-4)
+    assert train_losses(tmp_path / "out") == pytest.approx(single_process_losses, abs=2e-4)
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "out").num_parameters() > 0
 
 

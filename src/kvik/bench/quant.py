@@ -61,12 +61,12 @@ def measure_format(model: str, engine_args: dict[str, Any], decode_tokens: int, 
     from kvik.model.layers.kv_cache import kv_bytes_per_token
 
     llm = LLM(model, show_progress=False, kv_cache_memory=2**30, enable_prefix_caching=False, **engine_args)
-    engine = llm.engine
-    cfg = engine.model_config
-    kv_token = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, engine.precision.kv_cache_dtype)
+    engine, core = llm.engine, llm.engine.core  # the front end steps; the core holds the model
+    cfg = core.model_config
+    kv_token = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, core.precision.kv_cache_dtype)
     # Step i (0-based) attends decode_prompt_len + i + 2 tokens; the buffer reads their mean.
     mean_context = decode_prompt_len + 1 + (decode_tokens + 1) / 2
-    bytes_per_token = int(engine.transforms.linear_weight_bytes + kv_token * mean_context
+    bytes_per_token = int(core.transforms.linear_weight_bytes + kv_token * mean_context
                           + cfg.hidden_size * 4)  # + the embedding row
     llm.generate([[5] * 8], SamplingParams(max_tokens=4, ignore_eos=True))  # warm every path
     buffer = torch.ones(bytes_per_token // 4)
@@ -92,9 +92,9 @@ def measure_format(model: str, engine_args: dict[str, Any], decode_tokens: int, 
         llm.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))
         prompt_seconds.append(time.perf_counter() - started)
     return {
-        "precision": engine.precision.describe(),
-        "kernels": engine.transforms.kernel_isa,
-        "linear_weight_bytes": engine.transforms.linear_weight_bytes,
+        "precision": core.precision.describe(),
+        "kernels": core.transforms.kernel_isa,
+        "linear_weight_bytes": core.transforms.linear_weight_bytes,
         "bytes_per_token": bytes_per_token,
         "decode_tokens_per_second": decode_tokens / sum(decode_times),
         "read_bandwidth": bytes_per_token * decode_tokens / sum(read_times),
@@ -120,7 +120,7 @@ def kv_capacity(model: str, kv_dtype: str, budget: int, sequence_len: int) -> di
 
     llm = LLM(model, show_progress=False, kv_cache_memory=budget, kv_cache_dtype=kv_dtype,
               max_model_len=sequence_len, max_num_seqs=1024)
-    engine = llm.engine
+    engine = llm.engine.core
     cfg = engine.model_config
     per_token = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, engine.precision.kv_cache_dtype)
     blocks_per_sequence = -(-sequence_len // engine.kv.block_size)

@@ -20,6 +20,9 @@ SUBCOMMAND_MODULES = [
     "kvik.cli.bench",
     "kvik.cli.data",
     "kvik.cli.train",
+    "kvik.cli.build_kernels",
+    "kvik.cli.label",
+    "kvik.cli.eval",
 ]
 
 

@@ -47,9 +47,22 @@ class EngineArgs:
     show_progress: bool = True  # progress bar while loading weights
 
     def __post_init__(self) -> None:
+        if isinstance(self.kv_cache_memory, str):  # the Python API takes the CLI's sizes too
+            try:
+                self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+            except argparse.ArgumentTypeError as exc:
+                raise ConfigError(f"kv_cache_memory: {exc}") from None
         self.validate()
 
     def validate(self) -> None:
+        for name, expected in _FIELD_TYPES.items():
+            value = getattr(self, name)
+            if value is None:
+                continue
+            # bool is an int to Python, never to a user: max_num_seqs=True is a mistake.
+            if not isinstance(value, expected) or (isinstance(value, bool) and expected is not bool):
+                raise ConfigError(f"{name}: expected {_TYPE_NAMES.get(expected, 'a number')}, "
+                                  f"got {type(value).__name__} {value!r}")
         if not self.model:
             raise ConfigError("model: give a local model directory or a hub id")
         if self.dtype not in DTYPES:
@@ -92,7 +105,8 @@ class EngineArgs:
     def add_cli_args(parser: argparse.ArgumentParser, *, model_required: bool = False) -> None:
         group = parser.add_argument_group("engine")
         group.add_argument("--model", required=model_required, default=None,
-                           help="model directory in HF format, or a hub id to download")
+                           help="model directory in HF format (GPTQ/AWQ included), a .gguf file, "
+                                "or a hub id to download")
         group.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
         group.add_argument("--revision", default=None, help="hub revision for a hub id")
         group.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
@@ -137,6 +151,17 @@ class EngineArgs:
             values["model"] = default_model
         return cls(**values)
 
+
+# What each field must hold, so a wrong type is a ConfigError naming the field, not a TypeError from
+# deep inside validation.
+_FIELD_TYPES: dict[str, Any] = {
+    "model": str, "tokenizer": str, "revision": str, "device": str, "dtype": str, "seed": int,
+    "max_model_len": int, "block_size": int, "kv_cache_memory": int, "kv_cache_fraction": (int, float),
+    "max_num_seqs": int, "max_num_batched_tokens": int, "enable_prefix_caching": bool,
+    "enable_chunked_prefill": bool, "threads": int, "show_progress": bool, "quantization": str,
+    "quantization_group_size": int, "quantization_zero_point": bool, "kv_cache_dtype": str,
+}
+_TYPE_NAMES = {str: "a string", int: "an integer", bool: "true or false"}
 
 _BYTES = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,

@@ -22,6 +22,17 @@ class KvikError(Exception):
         if code is not None:
             self.code = code
 
+    def __reduce__(self) -> tuple:
+        # Errors cross process boundaries (tokenization workers); keep param, code and the rest.
+        return _restore_error, (type(self), self.message, dict(self.__dict__))
+
+
+def _restore_error(cls: type[KvikError], message: str, state: dict) -> KvikError:
+    error = cls.__new__(cls)
+    Exception.__init__(error, message)
+    error.__dict__.update(state)
+    return error
+
 
 class InvalidRequestError(KvikError):
     """The request is malformed or asks for something impossible (HTTP 400)."""

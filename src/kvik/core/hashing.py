@@ -23,14 +23,3 @@ def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra: bytes 
     digest.update(extra)
     return digest.digest()
 
-
-def hash_prefix_blocks(token_ids: Sequence[int], block_size: int, num_blocks: int,
-                       parent: BlockHash | None = None, start_block: int = 0,
-                       extra: bytes = b"") -> list[BlockHash]:
-    """Chain hashes of blocks [start_block, start_block + num_blocks) of `token_ids`, continuing from
-    `parent` (the hash of block start_block - 1)."""
-    hashes: list[BlockHash] = []
-    for index in range(start_block, start_block + num_blocks):
-        parent = hash_block(parent, token_ids[index * block_size:(index + 1) * block_size], extra)
-        hashes.append(parent)
-    return hashes

@@ -38,6 +38,9 @@ class BatchResult:
     # Per kept document (same order as `kept`): MinHash signature (an array of hash values), or None when
     # near-duplicate removal is off.
     signatures: list[object | None] = field(default_factory=list)
+    # Per kept document: SHA-256 of its text (`kvik.data.exact_dedup.text_digest`), or None when exact
+    # duplicate removal is off.
+    digests: list[bytes | None] = field(default_factory=list)
 
     def count_edit(self, key: str, amount: int = 1) -> None:
         if amount:

@@ -8,20 +8,17 @@ report.txt and report.png.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import sys
 import time
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, TextIO
 
 from kvik.data.config import PipelineConfig
-from kvik.data.document import BatchResult, Document, Dropped
-from kvik.data.exact_dedup import ExactDuplicateIndex
-from kvik.data.minhash import NearDuplicateIndex
+from kvik.data.document import Document, Dropped
+from kvik.data.executors import Executor, ExecutorSpec, open_executor
 from kvik.data.readers import read_documents
 from kvik.data.report import PipelineCounts, build_report, write_report
 from kvik.data.shards import eos_token_id, prepare_tokenizer, write_manifest, write_shards
@@ -46,39 +43,21 @@ def _batched(docs: Iterable[Document], size: int) -> Iterator[list[Document]]:
         yield batch
 
 
-def _ordered_map(fn: Callable[[list[Document]], BatchResult], batches: Iterator[list[Document]],
-                 workers: int) -> Iterator[BatchResult]:
-    """fn over batches in worker processes, results in input order, at most 2 batches per worker
-    in flight (Pool.imap would read the whole input into its task queue)."""
-    if workers == 1:
-        yield from map(fn, batches)
-        return
-    # spawn, not fork: the parent may hold tokenizer threads, which do not survive a fork.
-    with multiprocessing.get_context("spawn").Pool(workers) as pool:
-        pending: deque[Any] = deque()
-        for batch in batches:
-            pending.append(pool.apply_async(fn, (batch,)))
-            if len(pending) >= 2 * workers:
-                yield pending.popleft().get()
-        while pending:
-            yield pending.popleft().get()
-
-
 def _write_dropped(out: TextIO, dropped: Dropped) -> None:
     out.write(json.dumps({"id": dropped.id, "source": dropped.source, "stage": dropped.stage,
                           "reason": dropped.reason, "detail": dropped.detail, "text": dropped.text},
                          ensure_ascii=False) + "\n")
 
 
-def clean_documents(config: PipelineConfig, out_dir: Path, progress: bool) -> PipelineCounts:
+def clean_documents(config: PipelineConfig, out_dir: Path, progress: bool,
+                    executor: Executor) -> PipelineCounts:
     """The cleaning pass: documents.jsonl and dropped.jsonl; returns the counts."""
     from tqdm import tqdm
 
     counts = PipelineCounts(STAGES)
-    exact = ExactDuplicateIndex() if config.exact_dedup.enabled else None
-    near = NearDuplicateIndex(config.near_dedup) if config.near_dedup.enabled else None
+    deduplicator = executor.deduplicator(config)
     batches = _batched(read_documents(config.inputs), config.batch_size)
-    results = _ordered_map(partial(process_batch, config=config), batches, config.workers)
+    results = executor.map_batches(partial(process_batch, config=config), batches)
     with (open(out_dir / "documents.jsonl", "w", encoding="utf-8") as kept_file,
           open(out_dir / "dropped.jsonl", "w", encoding="utf-8") as dropped_file,
           tqdm(desc="cleaning", unit="doc", disable=not progress, file=sys.stderr) as bar):
@@ -86,15 +65,9 @@ def clean_documents(config: PipelineConfig, out_dir: Path, progress: bool) -> Pi
             counts.input_documents += len(result.kept) + len(result.dropped)
             counts.add_edits(result.edits)
             dropped = list(result.dropped)
-            for doc, hashvalues in zip(result.kept, result.signatures):
-                earlier = exact.add(doc.id, doc.text) if exact else None
-                similar = near.add(doc.id, hashvalues) if near and not earlier else None
-                if earlier:
-                    dropped.append(Dropped(doc.id, doc.source, "exact_dedup/duplicate", doc.text,
-                                           f"same text as {earlier}"))
-                elif similar:
-                    dropped.append(Dropped(doc.id, doc.source, "near_dedup/near_duplicate", doc.text,
-                                           f"jaccard {similar.similarity:.2f} with {similar.of}"))
+            for doc, duplicate in zip(result.kept, deduplicator.check(result)):
+                if duplicate:
+                    dropped.append(duplicate)
                 else:
                     kept_file.write(json.dumps({"id": doc.id, "source": doc.source, "text": doc.text},
                                                ensure_ascii=False) + "\n")
@@ -118,14 +91,17 @@ def _remove_stale_outputs(out_dir: Path) -> None:
             path.unlink()
 
 
-def run_pipeline(config: PipelineConfig, *, tokenize: bool = True,
-                 progress: bool = True) -> PipelineResult:
-    """Run the whole pipeline described by `config`; timings are printed, never written."""
+def run_pipeline(config: PipelineConfig, *, tokenize: bool = True, progress: bool = True,
+                 executor: ExecutorSpec = ExecutorSpec()) -> PipelineResult:
+    """Run the whole pipeline described by `config`; timings are printed, never written. The
+    `executor` runs the cleaning and deduplication (tokenization and sharding run here); it does not
+    change a byte of the outputs."""
     out_dir = Path(config.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     _remove_stale_outputs(out_dir)
     start = time.perf_counter()
-    counts = clean_documents(config, out_dir, progress)
+    with open_executor(executor, config.workers) as running:
+        counts = clean_documents(config, out_dir, progress, running)
     cleaned_at = time.perf_counter()
     manifest = None
     tokens = None

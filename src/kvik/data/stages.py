@@ -1,13 +1,14 @@
 """The per-batch stages: a pure function from a batch of documents to kept and dropped ones.
 
-Nothing here touches files or global state, so a batch can run in any worker process (or, later,
-any node of a distributed data engine) and give the same result.
+Nothing here touches files or global state, so a batch can run in any worker process or on any
+node of a Ray cluster (`kvik.data.executors`) and give the same result.
 """
 
 from __future__ import annotations
 
 from kvik.data.config import PipelineConfig
 from kvik.data.document import BatchResult, Document, Dropped
+from kvik.data.exact_dedup import text_digest
 from kvik.data.filters import c4, fineweb, gopher_quality, gopher_repetition
 from kvik.data.minhash import signature
 from kvik.data.normalize import normalize_text
@@ -37,7 +38,7 @@ def _quality_verdict(text: str, config: PipelineConfig, result: BatchResult) -> 
 
 
 def process_batch(docs: list[Document], config: PipelineConfig) -> BatchResult:
-    """Normalise, filter and scrub `docs`; compute MinHash signatures of the survivors."""
+    """Normalise, filter and scrub `docs`; compute the survivors' digests and MinHash signatures."""
     result = BatchResult()
     for doc in docs:
         text = normalize_text(doc.text, config.normalize)
@@ -57,4 +58,5 @@ def process_batch(docs: list[Document], config: PipelineConfig) -> BatchResult:
         result.kept.append(Document(doc.id, text, doc.source))
         result.signatures.append(signature(text, config.near_dedup) if config.near_dedup.enabled
                                  else None)
+        result.digests.append(text_digest(text) if config.exact_dedup.enabled else None)
     return result

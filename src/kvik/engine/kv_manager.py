@@ -30,6 +30,8 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.block_tables: dict[str, list[KVBlock]] = {}
+        # The same tables as block ids, kept in step, for the model runner (no per-step rebuild).
+        self.block_id_tables: dict[str, list[int]] = {}
         # Chain hashes of each sequence's leading full blocks that are registered (or were hits).
         self.block_hashes: dict[str, list[BlockHash]] = {}
         self.prefix_cache_queries = 0  # tokens looked up
@@ -47,7 +49,7 @@ class KVCacheManager:
         parent: BlockHash | None = None
         for index in range((request.num_tokens - 1) // size):
             block_tokens = tokens[index * size:(index + 1) * size]
-            block_hash = hash_block(parent, block_tokens)
+            block_hash = hash_block(parent, block_tokens, request.block_hash_extra(index, size))
             block = self.pool.lookup(block_hash, parent, block_tokens)
             if block is None:
                 break
@@ -74,7 +76,7 @@ class KVCacheManager:
         for index in range(len(hashes), num_full):
             parent = hashes[-1] if hashes else None
             block_tokens = tokens[index * size:(index + 1) * size]
-            block_hash = hash_block(parent, block_tokens)
+            block_hash = hash_block(parent, block_tokens, request.block_hash_extra(index, size))
             self.pool.cache(table[index], block_hash, parent, block_tokens)
             hashes.append(block_hash)
 
@@ -92,12 +94,16 @@ class KVCacheManager:
         reclaimed = sum(1 for block in hit_blocks if block.ref_count == 0)
         if needed > self.pool.num_free_blocks - reclaimed:
             return False
+        ids = self.block_id_tables.setdefault(request.seq_id, [])
         if hit_blocks:
             self.pool.acquire(hit_blocks)
             table = table + hit_blocks
+            ids.extend(block.block_id for block in hit_blocks)
             self.block_hashes[request.seq_id] = list(hit.hashes)
         if needed > 0:
-            table = table + self.pool.allocate(needed)
+            new_blocks = self.pool.allocate(needed)
+            table = table + new_blocks
+            ids.extend(block.block_id for block in new_blocks)
         self.block_tables[request.seq_id] = table
         return True
 
@@ -105,12 +111,14 @@ class KVCacheManager:
         """Return the sequence's blocks. Tail first, so a chain's deepest blocks are evicted before
         the prefixes other sequences are more likely to share."""
         table = self.block_tables.pop(request.seq_id, None)
+        self.block_id_tables.pop(request.seq_id, None)
         self.block_hashes.pop(request.seq_id, None)
         if table:
             self.pool.release(reversed(table))
 
     def block_ids(self, request: Request) -> list[int]:
-        return [block.block_id for block in self.block_tables.get(request.seq_id, ())]
+        """The sequence's block table as ids (the manager's own list: do not modify)."""
+        return self.block_id_tables.get(request.seq_id, [])
 
     @property
     def usage(self) -> float:

@@ -3,7 +3,10 @@
 The batch holds every scheduled token of every sequence: one-token decodes first (attended together),
 then prefill chunks. Logits are computed only for rows that need them: the last token of each
 sequence whose known tokens are now all computed (to sample from), and prompt positions of sequences
-that asked for prompt logprobs.
+that asked for prompt logprobs. A pooling request whose prompt is now computed gets its pooled vector
+instead (`kvik.model.pooling`): truncated and normalised for embeddings, through the model's score
+head for classification. An encoder model has no KV cache (`num_blocks=0`): every chunk is a whole
+prompt attended on its own, and no slot mapping is needed.
 """
 
 from __future__ import annotations
@@ -14,10 +17,10 @@ import torch
 from torch import nn
 
 from kvik.engine.device import advise_huge_pages
-from kvik.engine.kv_manager import KVCacheManager
 from kvik.engine.scheduler import ScheduledChunk
 from kvik.model.layers.attention import AttentionMetadata, PrefillSpan
 from kvik.model.layers.kv_cache import PagedKVCache, kv_bytes_per_token
+from kvik.model.pooling import PoolingConfig, PoolSpan, finish_embeddings, pool
 from kvik.model.transforms import bind_kv_cache
 
 
@@ -36,18 +39,27 @@ class RunnerOutput:
     logits: torch.Tensor  # (rows, vocab) float32: sampling rows first, then prompt-logprob rows
     sample_chunks: list[ScheduledChunk] = field(default_factory=list)  # row i samples for chunk i
     prompt_slices: list[PromptLogitsSlice] = field(default_factory=list)
+    # Pooling requests finished this step: (chunk, 1-D float32 CPU tensor).
+    pooled: list[tuple[ScheduledChunk, torch.Tensor]] = field(default_factory=list)
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, kv: KVCacheManager, *, num_layers: int, num_kv_heads: int,
-                 head_dim: int, device: torch.device, kv_cache_dtype: torch.dtype) -> None:
+    def __init__(self, model: nn.Module, *, num_blocks: int, block_size: int, num_layers: int,
+                 num_kv_heads: int, head_dim: int, device: torch.device, kv_cache_dtype: torch.dtype,
+                 pooling: PoolingConfig | None = None) -> None:
         self.model = model
-        self.kv = kv
-        self.block_size = kv.block_size
+        self.block_size = block_size
         self.device = device
+        self.pooling = pooling
+        self.has_kv_cache = num_blocks > 0
+        if not self.has_kv_cache:  # an encoder
+            self.kv_cache = None
+            self.cache_binding = None
+            return
         # One allocation for every layer: (layers, k/v, kv_heads, blocks, block_size, head_dim), plus
-        # per-token scales for int8. Huge pages requested before the zeroing touches the memory.
-        self.kv_cache = PagedKVCache.empty(num_layers, num_kv_heads, kv.pool.num_blocks, self.block_size,
+        # per-token scales for int8. Zeroed so that padding slots read by the batched gather are
+        # finite (masked afterwards); huge pages requested before the zeroing touches the memory.
+        self.kv_cache = PagedKVCache.empty(num_layers, num_kv_heads, num_blocks, self.block_size,
                                            head_dim, kv_cache_dtype, device)
         advise_huge_pages(self.kv_cache.data)
         self.kv_cache.zero_()
@@ -60,8 +72,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> RunnerOutput:
-        decodes = [c for c in chunks if c.num_new_tokens == 1]
-        prefills = [c for c in chunks if c.num_new_tokens > 1]
+        # Without a KV cache a one-token prompt is a (tiny) prefill: there is nothing to decode from.
+        decodes = [c for c in chunks if c.num_new_tokens == 1 and self.has_kv_cache]
+        prefills = [c for c in chunks if c.num_new_tokens > 1 or not self.has_kv_cache]
         ordered = decodes + prefills
         input_ids, positions, slots = self._flat_inputs(decodes, prefills)
         meta = self._attention_metadata(decodes, prefills, slots)
@@ -72,8 +85,16 @@ class ModelRunner:
         sample_chunks: list[ScheduledChunk] = []
         prompt_rows: list[torch.Tensor] = []
         prompt_slices: list[PromptLogitsSlice] = []
+        pool_chunks: list[ScheduledChunk] = []
+        pool_spans: list[PoolSpan] = []
         offset = 0
         for chunk in ordered:
+            if chunk.request.pooling is not None:
+                if chunk.completes_sequence:
+                    pool_chunks.append(chunk)
+                    pool_spans.append(PoolSpan(offset, chunk.num_new_tokens))
+                offset += chunk.num_new_tokens
+                continue
             if chunk.completes_sequence:
                 sample_rows.append(offset + chunk.num_new_tokens - 1)
                 sample_chunks.append(chunk)
@@ -95,8 +116,32 @@ class ModelRunner:
             next_row += piece.num_rows
         if prompt_rows:
             row_index = torch.cat([row_index, *prompt_rows])
-        logits = self.model.compute_logits(hidden[row_index.to(self.device)]).float()
-        return RunnerOutput(logits, sample_chunks, prompt_slices)
+        if row_index.numel():
+            logits = self.model.compute_logits(hidden[row_index.to(self.device)]).float()
+        else:
+            logits = hidden.new_empty(0, 0, dtype=torch.float32)
+        output = RunnerOutput(logits, sample_chunks, prompt_slices)
+        if pool_chunks:
+            output.pooled = list(zip(pool_chunks, self._pool(hidden, pool_chunks, pool_spans)))
+        return output
+
+    def _pool(self, hidden: torch.Tensor, chunks: list[ScheduledChunk], spans: list[PoolSpan]
+              ) -> list[torch.Tensor]:
+        """One float32 CPU vector per pooling request: the class logits, or the embedding."""
+        config = self.pooling
+        pooled = pool(hidden, spans, config.method)  # (B, hidden)
+        results: list[torch.Tensor | None] = [None] * len(chunks)
+        classify = [i for i, c in enumerate(chunks) if c.request.pooling.task == "classify"]
+        if classify:
+            logits = self.model.classify(pooled[classify]).float()
+            for row, i in enumerate(classify):
+                results[i] = logits[row]
+        embed = [i for i, c in enumerate(chunks) if c.request.pooling.task != "classify"]
+        if embed:
+            dims = [chunks[i].request.pooling.dimensions for i in embed]
+            for i, vector in zip(embed, finish_embeddings(pooled[embed], dims, config.normalize)):
+                results[i] = vector
+        return [r.cpu() for r in results]
 
     def _flat_inputs(self, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk]
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -106,18 +151,20 @@ class ModelRunner:
         slots: list[int] = []
         for chunk in decodes:  # scalar bookkeeping is cheapest for single tokens
             position = chunk.start
-            table = self.kv.block_tables[chunk.request.seq_id]
             ids.append(chunk.request.all_token_ids[position])
             pos.append(position)
-            slots.append(table[position // size].block_id * size + position % size)
+            slots.append(chunk.block_ids[position // size] * size + position % size)
         parts_ids = [torch.tensor(ids, dtype=torch.long)]
         parts_pos = [torch.tensor(pos, dtype=torch.long)]
         parts_slots = [torch.tensor(slots, dtype=torch.long)]
         for chunk in prefills:
             positions = torch.arange(chunk.start, chunk.end)
-            table = torch.tensor(self.kv.block_ids(chunk.request), dtype=torch.long)
             parts_ids.append(torch.tensor(chunk.request.all_token_ids[chunk.start:chunk.end]))
             parts_pos.append(positions)
+            if not self.has_kv_cache:  # nothing is written anywhere
+                parts_slots.append(torch.zeros(chunk.num_new_tokens, dtype=torch.long))
+                continue
+            table = torch.tensor(chunk.block_ids, dtype=torch.long)
             parts_slots.append(table[positions // size] * size + positions % size)
         device = self.device
         return (torch.cat(parts_ids).to(device), torch.cat(parts_pos).to(device),
@@ -128,7 +175,7 @@ class ModelRunner:
         size, device = self.block_size, self.device
         meta = AttentionMetadata(slot_mapping=slots, num_decodes=len(decodes))
         if decodes:
-            tables = [self.kv.block_ids(c.request) for c in decodes]
+            tables = [c.block_ids for c in decodes]
             # Only the blocks that hold tokens so far; later blocks of a table are still empty.
             lengths = [c.start + 1 for c in decodes]
             width = max(-(-n // size) for n in lengths)
@@ -140,7 +187,7 @@ class ModelRunner:
             span = PrefillSpan(offset, chunk.num_new_tokens, chunk.start, None, None)
             if chunk.start > 0:
                 total = chunk.end
-                blocks = self.kv.block_ids(chunk.request)[:-(-total // size)]
+                blocks = chunk.block_ids[:-(-total // size)]
                 span.block_table = torch.tensor(blocks, dtype=torch.long, device=device)
                 query_positions = torch.arange(chunk.start, chunk.end, device=device)
                 span.mask = torch.arange(total, device=device)[None, :] <= query_positions[:, None]

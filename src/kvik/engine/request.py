@@ -1,4 +1,4 @@
-"""Request state inside the engine.
+"""Request state inside the engine core.
 
 A user request with `n` choices becomes one `RequestGroup` and `n` `Request`s (sequences). Each
 sequence is scheduled on its own; siblings share the prompt's KV blocks through the prefix cache.
@@ -7,6 +7,9 @@ The scheduler's one rule: a sequence has `num_tokens` known tokens (prompt + sam
 `num_computed_tokens` have KV in the cache. Every step gives some sequences a number of new tokens to
 compute; when all known tokens are computed, the step's logits produce the next token. Prefill,
 chunked prefill, prefix-cache hits and recompute after preemption all follow from that.
+
+The core deals in token ids only: text, stop strings and logprob token text live in the front end
+(`kvik.engine.output_processor`).
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvik.core.outputs import Logprob, PromptLogprobs, RequestMetrics, SampleLogprobs
+from kvik.core.pooling_params import PoolingParams
 from kvik.core.sampling_params import SamplingParams
+from kvik.engine.messages import TokenLogprobs
 
 
 class RequestStatus(enum.Enum):
@@ -26,11 +30,12 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
 
     @property
     def finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+                        RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
 
 
 @dataclass(slots=True, eq=False)
@@ -38,14 +43,18 @@ class RequestGroup:
     """The user's request: what came in and the `n` sequences answering it."""
 
     request_id: str
-    prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    metrics: RequestMetrics
+    arrival_time: float
     sequences: list[Request] = field(default_factory=list)
-    prompt_logprobs: PromptLogprobs | None = None
-    prompt_logprobs_sent: bool = False
+    first_scheduled_time: float | None = None
     num_cached_tokens: int = 0
+    # Prompt logprobs: one entry per prompt token (the first is None), filled chunk by chunk.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    prompt_logprobs_sent: bool = False
+    # Extra bytes mixed into the hash of every prefix-cache block ending after `salt_from_token`.
+    cache_salt: bytes = b""
+    salt_from_token: int = 0
 
     @property
     def finished(self) -> bool:
@@ -73,16 +82,14 @@ class Request:
     # prefix cache, and after a preemption it skips positions already scored.
     wants_prompt_logprobs: bool = False
     num_prompt_logprobs_done: int = 0
+    # A pooling request produces one vector when its prompt is computed, and no tokens.
+    pooling: PoolingParams | None = None
+    # Compute the prompt in one step, with no prefix-cache hit: an encoder (no KV cache to continue
+    # from) or pooling that reads every row (mean, CLS).
+    needs_whole_prompt: bool = False
     generator: Any = None  # torch.Generator for seeded sampling, created by the sampler
-    detokenizer: Any = None  # IncrementalDetokenizer, created by the output processor
-    output_logprobs: SampleLogprobs | None = None
-    cumulative_logprob: float = 0.0
     finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_output_tokens_sent: int = 0
-    num_text_sent: int = 0
-    num_logprobs_sent: int = 0
-    final_output_sent: bool = False
+    stop_reason: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -100,9 +107,27 @@ class Request:
     def prompt_token_ids(self) -> list[int]:
         return self.all_token_ids[:self.num_prompt_tokens]
 
-    def append_token(self, token_id: int, logprobs: dict[int, Logprob] | None) -> None:
-        self.all_token_ids.append(token_id)
-        if logprobs is not None:
-            if self.output_logprobs is None:
-                self.output_logprobs = []
-            self.output_logprobs.append(logprobs)
+    def block_hash_extra(self, block_index: int, block_size: int) -> bytes:
+        """What separates this sequence's block `block_index` from other tenants' in the prefix
+        cache: the salt, once the block reaches past the shared leading tokens."""
+        group = self.group
+        if group.cache_salt and (block_index + 1) * block_size > group.salt_from_token:
+            return group.cache_salt
+        return b""
+
+
+def check_stop(request: Request, token_id: int, eos_token_ids: frozenset[int],
+               max_model_len: int) -> tuple[RequestStatus, int | None] | None:
+    """Token-level stop conditions, checked after `token_id` was appended: end of sequence (unless
+    ignore_eos), a stop token id (both only after min_tokens), max_tokens, the context length.
+    Stop strings are text and are checked by the front end."""
+    params = request.params
+    num_output = request.num_output_tokens
+    if num_output >= params.min_tokens:
+        if not params.ignore_eos and token_id in eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED, None
+        if token_id in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED, token_id
+    if num_output >= request.max_tokens or request.num_tokens >= max_model_len:
+        return RequestStatus.FINISHED_LENGTH, None
+    return None

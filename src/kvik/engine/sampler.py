@@ -16,16 +16,15 @@ from dataclasses import dataclass
 
 import torch
 
-from kvik.core.outputs import Logprob
+from kvik.engine.messages import TokenLogprobs
 from kvik.engine.request import Request
 
 
 @dataclass(slots=True)
 class SamplerOutput:
     token_ids: list[int]
-    # Per row: {token id: Logprob} with the chosen token and the top-k alternatives, or None.
-    logprobs: list[dict[int, Logprob] | None]
-    chosen_logprobs: list[float | None]  # logprob of each chosen token, for cumulative_logprob
+    # Per row: the chosen token's logprob and the top-k alternatives, or None if not asked for.
+    logprobs: list[TokenLogprobs | None]
 
 
 class Sampler:
@@ -40,7 +39,7 @@ class Sampler:
         """logits: (R, V) float32, row i for requests[i]."""
         rows = len(requests)
         if rows == 0:
-            return SamplerOutput([], [], [])
+            return SamplerOutput([], [])
         want_logprobs = [r.params.logprobs is not None for r in requests]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
         processed = self._process(logits, requests)
@@ -55,11 +54,10 @@ class Sampler:
             index = torch.tensor(sampled, device=logits.device)
             chosen[index] = self._draw(processed[index], [requests[i] for i in sampled])
         token_ids = chosen.tolist()
-        logprobs: list[dict[int, Logprob] | None] = [None] * rows
-        chosen_lp: list[float | None] = [None] * rows
+        logprobs: list[TokenLogprobs | None] = [None] * rows
         if raw_logprobs is not None:
-            self._gather_logprobs(raw_logprobs, chosen, requests, want_logprobs, logprobs, chosen_lp)
-        return SamplerOutput(token_ids, logprobs, chosen_lp)
+            self._gather_logprobs(raw_logprobs, chosen, requests, want_logprobs, logprobs)
+        return SamplerOutput(token_ids, logprobs)
 
     # -- logit processors --
 
@@ -143,46 +141,38 @@ class Sampler:
 
     @staticmethod
     def _gather_logprobs(raw: torch.Tensor, chosen: torch.Tensor, requests: list[Request],
-                         wanted: list[bool], out: list[dict[int, Logprob] | None],
-                         chosen_out: list[float | None]) -> None:
+                         wanted: list[bool], out: list[TokenLogprobs | None]) -> None:
         rows = [i for i, w in enumerate(wanted) if w]
         index = torch.tensor(rows, device=raw.device)
-        lp = raw[index]
-        picked = chosen[index]
-        picked_lp = lp.gather(1, picked[:, None]).squeeze(1)
-        ranks = (lp > picked_lp[:, None]).sum(dim=-1) + 1
-        max_k = max(requests[i].params.logprobs for i in rows)
-        top_values, top_ids = lp.topk(max_k, dim=-1) if max_k else (None, None)
-        picked_list, picked_lp_list, ranks_list = picked.tolist(), picked_lp.tolist(), ranks.tolist()
-        top_v = top_values.tolist() if max_k else None
-        top_i = top_ids.tolist() if max_k else None
-        for j, row in enumerate(rows):
-            entry = {picked_list[j]: Logprob(picked_lp_list[j], ranks_list[j])}
-            k = requests[row].params.logprobs
-            for rank in range(k):
-                token = top_i[j][rank]
-                if token not in entry:
-                    entry[token] = Logprob(top_v[j][rank], rank + 1)
-            out[row] = entry
-            chosen_out[row] = picked_lp_list[j]
+        ks = [requests[i].params.logprobs for i in rows]
+        for j, entry in enumerate(_logprob_entries(raw[index], chosen[index], ks)):
+            out[rows[j]] = entry
 
 
-def prompt_logprobs_for(raw_logits: torch.Tensor, targets: list[int], k: int) -> list[dict[int, Logprob]]:
+def _logprob_entries(lp: torch.Tensor, targets: torch.Tensor, ks: list[int]) -> list[TokenLogprobs]:
+    """lp: (R, V) log-probabilities; targets: (R,) the token each row scores; ks: alternatives per
+    row. Each entry lists the target first, then the top-k tokens not already listed."""
+    target_lp = lp.gather(1, targets[:, None]).squeeze(1)
+    ranks = ((lp > target_lp[:, None]).sum(dim=-1) + 1).tolist()
+    max_k = max(ks, default=0)
+    top_v, top_i = (lp.topk(max_k, dim=-1) if max_k else (None, None))
+    top_v = top_v.tolist() if max_k else None
+    top_i = top_i.tolist() if max_k else None
+    entries = []
+    for j, (token, value) in enumerate(zip(targets.tolist(), target_lp.tolist())):
+        ids, values, entry_ranks = [token], [value], [ranks[j]]
+        for rank in range(ks[j]):
+            alternative = top_i[j][rank]
+            if alternative != token:
+                ids.append(alternative)
+                values.append(top_v[j][rank])
+                entry_ranks.append(rank + 1)
+        entries.append(TokenLogprobs(ids, values, entry_ranks))
+    return entries
+
+
+def prompt_logprobs_for(raw_logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprobs]:
     """Logprob entries for prompt tokens: row i of `raw_logits` scores `targets[i]`."""
     lp = torch.log_softmax(raw_logits, dim=-1)
     target = torch.tensor(targets, device=lp.device)
-    target_lp = lp.gather(1, target[:, None]).squeeze(1)
-    ranks = ((lp > target_lp[:, None]).sum(dim=-1) + 1).tolist()
-    target_list = target_lp.tolist()
-    top_v, top_i = lp.topk(k, dim=-1) if k else (None, None)
-    top_v = top_v.tolist() if k else None
-    top_i = top_i.tolist() if k else None
-    entries = []
-    for j, token in enumerate(targets):
-        entry = {token: Logprob(target_list[j], ranks[j])}
-        for rank in range(k):
-            alt = top_i[j][rank]
-            if alt not in entry:
-                entry[alt] = Logprob(top_v[j][rank], rank + 1)
-        entries.append(entry)
-    return entries
+    return _logprob_entries(lp, target, [k] * len(targets))

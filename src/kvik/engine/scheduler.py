@@ -8,17 +8,29 @@ most recently arrived running sequence is preempted: its blocks are freed and it
 front of the waiting queue to be recomputed later (its sampled tokens are kept, so no token changes).
 
 The queue policy is one method (`_admission_order`), kept separate so priorities can replace FCFS;
-`ScheduledChunk` carries the token count per sequence, which is where speculative tokens and LoRA or
-grammar state would ride along.
+`ScheduledChunk` carries the token count and the block ids per sequence, so the model runner never
+reads the KV manager; speculative tokens and LoRA or grammar state would ride along there too.
+
+After the model ran, `update_from_output` owns the bookkeeping: it advances `num_computed_tokens`,
+registers newly computed blocks in the prefix cache, appends sampled tokens, applies the token-level
+stop conditions and returns one `EngineCoreOutput` per sequence that produced something.
+
+Pooling requests (embeddings, classification) ride the same queue and budget. They end in the step
+that computes their last prompt token, with the pooled vector instead of a sampled token. One that
+`needs_whole_prompt` (an encoder's, or mean/CLS pooling) is admitted only when its whole prompt fits
+the step's remaining budget, and never reads the prefix cache. An encoder model has no KV cache at
+all (`uses_kv_cache=False`): nothing is allocated for its requests.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from kvik.engine.kv_manager import KVCacheManager
-from kvik.engine.request import Request, RequestStatus
+from kvik.engine.messages import EngineCoreOutput, TokenLogprobs
+from kvik.engine.request import Request, RequestStatus, check_stop
 
 
 @dataclass(slots=True)
@@ -26,6 +38,7 @@ class ScheduledChunk:
     request: Request
     num_new_tokens: int
     start: int  # num_computed_tokens when scheduled: the first position computed in this step
+    block_ids: list[int] = field(default_factory=list)  # the sequence's block table this step
 
     @property
     def end(self) -> int:
@@ -43,18 +56,18 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
 
     @property
-    def num_batched_tokens(self) -> int:
-        return sum(chunk.num_new_tokens for chunk in self.chunks)
-
-    @property
     def is_empty(self) -> bool:
         return not self.chunks
 
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = True) -> None:
+                 enable_chunked_prefill: bool = True, *, eos_token_ids: frozenset[int] = frozenset(),
+                 max_model_len: int = 2**31, uses_kv_cache: bool = True) -> None:
         self.kv = kv
+        self.uses_kv_cache = uses_kv_cache
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -64,10 +77,6 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -82,12 +91,13 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(request, num_new):
+            while self.uses_kv_cache and not self.kv.allocate_slots(request, num_new):
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 if victim is request:
                     return budget
-            out.chunks.append(ScheduledChunk(request, num_new, request.num_computed_tokens))
+            out.chunks.append(ScheduledChunk(request, num_new, request.num_computed_tokens,
+                                             self.kv.block_ids(request)))
             budget -= num_new
             index += 1
         return budget
@@ -100,22 +110,26 @@ class Scheduler:
             if leader is not None and not self._prompt_computed(leader):
                 continue  # a sibling of an n>1 request: admitted once the prompt's blocks are cached
             request.wait_for_prompt_of = None
-            hit = self.kv.find_cached_prefix(request) if request.num_computed_tokens == 0 else None
+            whole = request.needs_whole_prompt
+            hit = (self.kv.find_cached_prefix(request)
+                   if request.num_computed_tokens == 0 and not whole and self.uses_kv_cache else None)
             hit_tokens = hit.num_blocks * self.kv.block_size if hit else 0
             num_new = request.num_tokens - request.num_computed_tokens - hit_tokens
-            if num_new > budget and not self.enable_chunked_prefill:
+            if num_new > budget and (whole or not self.enable_chunked_prefill):
                 return
             num_new = min(num_new, budget)
-            if not self.kv.allocate_slots(request, num_new, hit):
+            if self.uses_kv_cache and not self.kv.allocate_slots(request, num_new, hit):
                 return  # FCFS: nobody overtakes the head of the queue for blocks
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = hit_tokens
-                self.kv.record_prefix_query(request.num_tokens, hit_tokens)
+                if self.uses_kv_cache:
+                    self.kv.record_prefix_query(request.num_tokens, hit_tokens)
             request.num_computed_tokens += hit_tokens
             self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.chunks.append(ScheduledChunk(request, num_new, request.num_computed_tokens))
+            out.chunks.append(ScheduledChunk(request, num_new, request.num_computed_tokens,
+                                             self.kv.block_ids(request)))
             budget -= num_new
 
     def _admission_order(self) -> list[Request]:
@@ -150,3 +164,69 @@ class Scheduler:
             except ValueError:
                 pass
         self.kv.free(request)
+
+    # -- after the step --
+
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[Request, tuple[int, TokenLogprobs | None]],
+                           pooled: dict[Request, bytes] | None = None) -> list[EngineCoreOutput]:
+        """Apply one executed step: `sampled` maps each sequence whose known tokens were all
+        computed to its new token (and logprobs), `pooled` each pooling request whose prompt is now
+        computed to its vector (float32 bytes). Returns what each sequence produced."""
+        now = time.time()
+        outputs: list[EngineCoreOutput] = []
+        for chunk in out.chunks:
+            request = chunk.request
+            request.num_computed_tokens = chunk.end
+            self.kv.cache_computed_blocks(request)
+            group = request.group
+            if group.first_scheduled_time is None:
+                group.first_scheduled_time = now
+                group.num_cached_tokens = max(request.num_cached_tokens, 0)
+            if request.status.finished:  # aborted while the step ran (cannot happen in-process)
+                continue
+            if request.pooling is not None:
+                vector = pooled.get(request) if pooled else None
+                if vector is not None:
+                    request.finish_reason = RequestStatus.FINISHED_STOPPED.value
+                    self.finish(request, RequestStatus.FINISHED_STOPPED)
+                    output = self._output(request, [], None, None)
+                    output.pooled = vector
+                    outputs.append(output)
+                continue
+            result = sampled.get(request)
+            prompt_logprobs = self._take_prompt_logprobs(request)
+            if result is None:
+                if prompt_logprobs is not None:
+                    outputs.append(self._output(request, [], None, prompt_logprobs))
+                continue
+            token_id, logprobs = result
+            request.all_token_ids.append(token_id)
+            stop = check_stop(request, token_id, self.eos_token_ids, self.max_model_len)
+            if stop is not None:
+                status, request.stop_reason = stop
+                request.finish_reason = status.value
+                self.finish(request, status)
+            outputs.append(self._output(request, [token_id], [logprobs] if logprobs else None,
+                                        prompt_logprobs))
+        return outputs
+
+    @staticmethod
+    def _take_prompt_logprobs(request: Request) -> list[TokenLogprobs | None] | None:
+        """The group's prompt logprobs once every prompt position is scored, exactly once."""
+        group = request.group
+        entries = group.prompt_logprobs
+        if (entries is None or group.prompt_logprobs_sent or not request.wants_prompt_logprobs
+                or len(entries) < len(group.prompt_token_ids)):
+            return None
+        group.prompt_logprobs_sent = True
+        return entries
+
+    @staticmethod
+    def _output(request: Request, new_tokens: list[int], logprobs: list[TokenLogprobs] | None,
+                prompt_logprobs: list[TokenLogprobs | None] | None) -> EngineCoreOutput:
+        group = request.group
+        return EngineCoreOutput(
+            request_id=group.request_id, index=request.index, new_token_ids=new_tokens,
+            new_logprobs=logprobs, finish_reason=request.finish_reason if request.status.finished else None,
+            stop_reason=request.stop_reason, num_cached_tokens=group.num_cached_tokens,
+            first_scheduled_time=group.first_scheduled_time, prompt_logprobs=prompt_logprobs)

@@ -13,10 +13,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvik.core.errors import InvalidRequestError, KvikError, NotFoundError
 from kvik.gateway.config import GatewayConfig
-from kvik.gateway.routes import admin, openai, ops
+from kvik.gateway.routes import admin, admin_console, conversations, openai, ops
 from kvik.gateway.serving import ProxyService
 from kvik.gateway.state import GatewayState
 from kvik.protocol.errors import error_body, error_from_exception
+from kvik.web import PageConfig, install_web
 
 logger = logging.getLogger("kvik.gateway")
 
@@ -36,6 +37,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.include_router(openai.router)
     app.include_router(admin.router)
     app.include_router(ops.router)
+    app.include_router(admin_console.router)
+    app.include_router(conversations.router)
+    install_web(app, PageConfig(product="gateway", conversations="server", console=True))
 
     @app.exception_handler(KvikError)
     async def on_kvik_error(request: Request, exc: KvikError) -> JSONResponse:

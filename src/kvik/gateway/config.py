@@ -53,6 +53,12 @@ class PrefixAffinityConfig(_Section):
     prompt_prefix_chars: int = Field(default=256, ge=1)
 
 
+class PricingConfig(_Section):
+    # US dollars per million tokens; the admin console's cost figures use the prices set now.
+    input_per_million: float = Field(default=0.0, ge=0)
+    output_per_million: float = Field(default=0.0, ge=0)
+
+
 class ModelConfig(_Section):
     name: str = Field(min_length=1)
     aliases: list[str] = []
@@ -61,6 +67,7 @@ class ModelConfig(_Section):
         "least_outstanding")
     prefix_affinity: PrefixAffinityConfig = Field(default_factory=PrefixAffinityConfig)
     replicas: list[ReplicaConfig] = Field(min_length=1)
+    pricing: PricingConfig = Field(default_factory=PricingConfig)
 
 
 class AuthConfig(_Section):

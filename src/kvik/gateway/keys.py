@@ -21,6 +21,7 @@ from kvik.gateway.storage.database import Database, Row
 SECRET_PREFIX = "kvik-"
 ROLES = ("user", "admin")
 _DISPLAY_PREFIX_CHARS = 12
+UPDATABLE_FIELDS = ("name", "models", "rpm", "tpm", "token_budget")
 
 
 @dataclass(slots=True)
@@ -100,6 +101,25 @@ class KeyStore:
         row = self._db.fetchone("SELECT * FROM api_keys WHERE key_hash = ? AND revoked_at IS NULL",
                                 (hash_secret(secret),))
         return None if row is None else _from_row(row)
+
+    def update(self, key_id: str, changes: dict[str, Any]) -> ApiKey:
+        """Change a live key's name, model allow-list or limits; a `None` value clears the allow-list
+        or a limit. The role and the secret never change (create a new key instead)."""
+        key = self.get(key_id)
+        if key.revoked_at is not None:
+            raise InvalidRequestError(f"The key {key_id!r} is revoked; create a new one.", param="id")
+        unknown = set(changes) - set(UPDATABLE_FIELDS)
+        if unknown:
+            field = sorted(unknown)[0]
+            raise InvalidRequestError(f"{field}: cannot be changed; change {', '.join(UPDATABLE_FIELDS)}",
+                                      param=field)
+        merged = {field: changes.get(field, getattr(key, field)) for field in UPDATABLE_FIELDS}
+        _validate(merged["name"], key.role, merged["models"], merged["rpm"], merged["tpm"], merged["token_budget"])
+        models = merged["models"]
+        self._db.execute("UPDATE api_keys SET name = ?, models = ?, rpm = ?, tpm = ?, token_budget = ? WHERE id = ?",
+                         (merged["name"], None if models is None else json.dumps(models), merged["rpm"],
+                          merged["tpm"], merged["token_budget"], key_id))
+        return self.get(key_id)
 
     def add_tokens_used(self, totals: dict[str, int]) -> None:
         self._db.executemany("UPDATE api_keys SET tokens_used = tokens_used + ? WHERE id = ?",

@@ -27,11 +27,6 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class TextPart(_Request):
-    type: Literal["text"]
-    text: str
-
-
 class ContentPart(_Request):
     """Any content part; only text parts are supported, others fail with a clear 400."""
 
@@ -72,6 +67,9 @@ class _SamplingFields(_Request):
     stop_token_ids: TokenIds | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Prefix-cache isolation: requests share cached prompt blocks (past the leading system prompt)
+    # only with requests carrying the same salt. The gateway sets it per tenant.
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
 
     @field_validator("stop")
     @classmethod
@@ -85,8 +83,9 @@ class _SamplingFields(_Request):
     @classmethod
     def _bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (value or {}).items():
-            if not key.strip().isdigit():
-                raise ValueError(f"keys must be token ids, got {key!r}")
+            # isdigit() alone accepts '²' and other Unicode digits that int() refuses.
+            if not (key.strip().isascii() and key.strip().isdigit()) or len(key.strip()) > 10:
+                raise ValueError(f"keys must be token ids (decimal integers), got {key!r}")
             if not -100 <= bias <= 100:
                 raise ValueError(f"bias for token {key} must be in [-100, 100], got {bias}")
         return value
@@ -102,6 +101,9 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
+    # A template of the request's own: refused unless the server runs with
+    # --trust-request-chat-template (it is code the server would run).
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
 

@@ -7,6 +7,7 @@ A 500 means a bug, never bad input.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from typing import Any
@@ -18,23 +19,33 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvik import __version__
-from kvik.core.errors import AuthenticationError, KvikError, RequestTooLargeError
+from kvik.core.errors import AuthenticationError, InvalidRequestError, KvikError, RequestTooLargeError
+from kvik.core.memory import release_freed_memory
 from kvik.protocol.errors import error_body, error_from_exception
-from kvik.server.routes import generation, models, ops, tokenize
-from kvik.server.serving_chat import ChatServing
-from kvik.server.serving_common import ClientDisconnected
-from kvik.server.serving_completions import CompletionServing
+from kvik.server.routes import generation, models, ops, pooling, responses_api, tokenize
+from kvik.server.serving.chat import ChatServing
+from kvik.server.serving.completions import CompletionServing
+from kvik.server.serving.pooling import PoolingServing
+from kvik.server.serving.responses_api import ResponsesServing
+from kvik.server.serving.streams import ClientDisconnected
 from kvik.server.state import ServerState
+from kvik.web import PageConfig, install_web
 
 logger = logging.getLogger("kvik.server")
+
+# After a request this large, its freed memory is handed back to the system: without it a replica's
+# RSS ratcheted up with every multi-megabyte prompt.
+LARGE_BODY_BYTES = 2**20
 
 # Paths that never need a key and never count as in-flight work for draining.
 OPS_PATHS = frozenset({"/health", "/metrics"})
 
 
 class RequestGate:
-    """Pure ASGI middleware: refuses bodies over the size limit (413) and counts in-flight requests
-    for the graceful drain. Streaming responses count until their last byte."""
+    """Pure ASGI middleware in front of every route but /health and /metrics: reads the whole body
+    before the app sees it, refusing more than the size limit with 413 whether the client declared
+    it (Content-Length) or streams it chunked, and a client that sends it too slowly with 408; and
+    counts in-flight requests for the graceful drain (streaming responses until their last byte)."""
 
     def __init__(self, app: ASGIApp, state: ServerState) -> None:
         self.app = app
@@ -44,28 +55,66 @@ class RequestGate:
         if scope["type"] != "http" or scope["path"] in OPS_PATHS:
             await self.app(scope, receive, send)
             return
-        limit = self.state.config.max_body_bytes
+        config = self.state.config
         declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
+        if declared is not None and declared.isdigit() and int(declared) > config.max_body_bytes:
             await _send_error(send, RequestTooLargeError(
-                f"request body is {int(declared)} bytes; the limit is {limit}"))
+                f"request body is {int(declared)} bytes; the limit is {config.max_body_bytes}"))
             return
-        received = 0
-
-        async def counting_receive() -> Message:
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > limit:
-                    raise RequestTooLargeError(f"request body exceeds the limit of {limit} bytes")
-            return message
-
         self.state.request_started()
         try:
-            await self.app(scope, counting_receive, send)
+            try:
+                body = await asyncio.wait_for(_read_body(receive, config.max_body_bytes),
+                                              config.body_read_timeout)
+            except asyncio.TimeoutError:
+                await _send_error(send, _BodyTimeout(
+                    f"the request body did not arrive within {config.body_read_timeout:.0f} s"))
+                return
+            except KvikError as exc:
+                await _send_error(send, exc)
+                return
+            if body is None:  # the client left while sending
+                return
+            await self.app(scope, _replay(body, receive), send)
+            if len(body) > LARGE_BODY_BYTES:
+                del body
+                release_freed_memory()
         finally:
             self.state.request_finished()
+
+
+class _BodyTimeout(InvalidRequestError):
+    http_status = 408
+    code = "request_timeout"
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes | None:
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise RequestTooLargeError(f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """The body as one message, then the real channel (for disconnects)."""
+    sent = False
+
+    async def replayed() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed
 
 
 async def _send_error(send: Send, exc: KvikError) -> None:
@@ -117,11 +166,16 @@ def create_app(state: ServerState) -> FastAPI:
     app.state.server = state
     app.state.chat = ChatServing(state)
     app.state.completions = CompletionServing(state)
+    app.state.pooling = PoolingServing(state)
+    app.state.responses = ResponsesServing(state)
     keyed = [Depends(check_api_key)]
     app.include_router(generation.router, dependencies=keyed)
+    app.include_router(pooling.router, dependencies=keyed)
+    app.include_router(responses_api.router, dependencies=keyed)
     app.include_router(models.router, dependencies=keyed)
     app.include_router(tokenize.router, dependencies=keyed)
     app.include_router(ops.router)
+    install_web(app, PageConfig(product="server", conversations="browser"))
     app.add_middleware(RequestGate, state=state)
 
     @app.exception_handler(KvikError)

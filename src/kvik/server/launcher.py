@@ -1,51 +1,79 @@
-"""Start the server: listen at once (health says 503 while loading), load the model with progress
-in a thread, warm it up with one forward, then report ready. SIGTERM drains: health and new
-requests get 503, in-flight requests finish (up to the drain timeout), and the process exits 0.
+"""Start the server: listen at once (health says 503 while loading), start the engine core in its
+own process and wait for it to load and warm up the model, then report ready.
+
+SIGTERM drains: health and new requests get 503, in-flight requests finish (up to the drain
+timeout), the engine is shut down, and the process exits 0. If the engine process dies, health
+turns 503, requests in flight end with an error, and the server exits 1 so that its supervisor
+(systemd, Kubernetes, the gateway's operator) restarts it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import signal
-import threading
 import time
 from types import FrameType
 
 import uvicorn
 
 from kvik.core.config import EngineArgs
-from kvik.core.sampling_params import SamplingParams
-from kvik.engine.async_engine import AsyncEngine
-from kvik.engine.llm_engine import LLMEngine
+from kvik.engine.async_llm import AsyncLLM
+from kvik.engine.core_client import EngineStartError
+from kvik.engine.preprocess_pool import PreprocessConfig
 from kvik.server.app import create_app
 from kvik.server.state import ServerState
 
 logger = logging.getLogger("kvik.server")
 
-
-def build_engine(args: EngineArgs) -> AsyncEngine:
-    started = time.perf_counter()
-    engine = LLMEngine(args)
-    # One forward through every layer before saying ready: the first step pays for lazy
-    # initialisation (allocator, kernels) that a user's first request should not.
-    engine.add_request("warmup", [1, 2, 3, 4], SamplingParams(max_tokens=2, ignore_eos=True))
-    while engine.has_unfinished_requests():
-        engine.step()
-    async_engine = AsyncEngine(engine)
-    async_engine.start()
-    logger.info("ready in %.1fs: %s, max_model_len %d, %d KV blocks", time.perf_counter() - started,
-                engine.model_config.architecture, engine.max_model_len, engine.kv.pool.num_blocks)
-    return async_engine
+# Time given to requests that just failed because the engine died to send their error, before exit.
+DEAD_ENGINE_EXIT_DELAY = 1.0
 
 
-class DrainingServer(uvicorn.Server):
-    """uvicorn, with SIGTERM/SIGINT turned into a drain instead of an immediate stop."""
+class EngineServer(uvicorn.Server):
+    """uvicorn, with the engine's lifecycle attached and SIGTERM/SIGINT turned into a drain."""
 
-    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+    def __init__(self, config: uvicorn.Config, state: ServerState, engine_args: EngineArgs, *,
+                 engine_in_thread: bool = False, preprocess: PreprocessConfig | None = None) -> None:
         super().__init__(config)
         self.state = state
+        self.engine_args = engine_args
+        self.engine_in_thread = engine_in_thread
+        self.preprocess = preprocess
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.exit_code = 0
+
+    async def serve(self, sockets=None) -> None:  # type: ignore[override]
+        self.loop = asyncio.get_running_loop()
+        starting = self.loop.create_task(self._start_engine())
+        try:
+            await super().serve(sockets)
+        finally:
+            starting.cancel()
+            if self.state.engine is not None:
+                await self.state.engine.shutdown()
+
+    async def _start_engine(self) -> None:
+        state = self.state
+        started = time.perf_counter()
+        engine = AsyncLLM(self.engine_args, engine_in_thread=self.engine_in_thread, preprocess=self.preprocess)
+        state.engine = engine
+        engine.on_dead(self._engine_died)
+        try:
+            info = await engine.start()
+        except EngineStartError as exc:
+            state.load_error = exc
+            logger.error("could not start the engine: %s", exc.message)
+            self.exit_code = 1
+            self.should_exit = True
+            return
+        state.ready = True
+        logger.info("ready in %.1fs: %s, max_model_len %d, %d KV blocks", time.perf_counter() - started,
+                    info.architecture, info.max_model_len, info.num_kv_blocks)
+
+    def _engine_died(self, reason: str) -> None:
+        logger.error("the engine died (%s): failing requests in flight and exiting with status 1", reason)
+        self.exit_code = 1
+        self.loop.call_later(DEAD_ENGINE_EXIT_DELAY, setattr, self, "should_exit", True)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         state = self.state
@@ -65,34 +93,15 @@ class DrainingServer(uvicorn.Server):
             logger.warning("drain timeout: %d request(s) cut off", self.state.in_flight_requests)
         self.should_exit = True
 
-    async def serve(self, sockets=None) -> None:  # type: ignore[override]
-        self.loop = asyncio.get_running_loop()
-        await super().serve(sockets)
-
 
 def run_server(engine_args: EngineArgs, state: ServerState, host: str, port: int,
-               log_level: str = "info") -> int:
+               log_level: str = "info", *, engine_in_thread: bool = False,
+               preprocess: PreprocessConfig | None = None) -> int:
     app = create_app(state)
-
-    def load() -> None:
-        try:
-            state.engine = build_engine(engine_args)
-            state.ready = True
-        except BaseException as exc:  # noqa: BLE001 - reported, then the process stops
-            state.load_error = exc
-            logger.error("could not start the engine: %s", getattr(exc, "message", exc))
-            server.should_exit = True
-
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                             timeout_graceful_shutdown=2, lifespan="off")
-    server = DrainingServer(config, state)
-    threading.Thread(target=load, name="kvik-loader", daemon=True).start()
+    server = EngineServer(config, state, engine_args, engine_in_thread=engine_in_thread,
+                          preprocess=preprocess)
     server.run()
-    if state.engine is not None:
-        state.engine.shutdown()
-    return 1 if state.load_error is not None else 0
+    return server.exit_code
 
-
-def install_default_signals() -> None:
-    """Restore default SIGTERM handling (pytest and some launchers ignore it)."""
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)

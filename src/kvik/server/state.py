@@ -1,8 +1,10 @@
-"""What the server knows: its configuration, the engine (once loaded), readiness and admission.
+"""What the server knows: its configuration, the engine front end (once started), readiness and
+admission.
 
 Admission control is a counter of sequences the server has handed to the engine and not yet seen
 finish. It lives on the event loop thread, so it is exact without locks: a request is refused with
-503 + Retry-After when running slots plus `max_waiting` are taken, before any work is done for it.
+503 + Retry-After when running slots plus `max_waiting` are taken, before any work is done for it,
+and with 400 when it alone asks for more sequences than the server could ever hold.
 """
 
 from __future__ import annotations
@@ -12,9 +14,9 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from kvik.core.errors import ModelNotFoundError, ServiceUnavailableError
-from kvik.engine.async_engine import AsyncEngine
-from kvik.engine.llm_engine import EngineStats
+from kvik.core.errors import InvalidRequestError, ModelNotFoundError, ServiceUnavailableError
+from kvik.engine.async_llm import AsyncLLM, EngineDeadError
+from kvik.engine.messages import EngineStats
 from kvik.server.metrics import ServerMetrics
 
 logger = logging.getLogger("kvik.server")
@@ -27,14 +29,18 @@ class ServerConfig:
     max_waiting: int = 256  # sequences allowed to queue beyond the running batch
     drain_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
     max_body_bytes: int = 16 * 2**20
+    body_read_timeout: float = 30.0  # seconds a client may take to send its whole body
     log_prompts: bool = False
     max_num_seqs: int = 64
+    trust_request_chat_template: bool = False  # let requests bring their own chat template
+    # SQLite file of stored Responses API responses (`:memory:`: kept only while the server runs).
+    responses_store: str = ":memory:"
 
 
 @dataclass(eq=False)
 class ServerState:
     config: ServerConfig
-    engine: AsyncEngine | None = None
+    engine: AsyncLLM | None = None
     ready: bool = False
     draining: bool = False
     load_error: BaseException | None = None
@@ -52,7 +58,11 @@ class ServerState:
         return self.config.served_model_names[0]
 
     def engine_stats(self) -> EngineStats | None:
-        return self.engine.stats() if self.engine is not None else None
+        return self.engine.stats() if self.engine is not None and self.ready else None
+
+    @property
+    def engine_dead(self) -> bool:
+        return self.engine is not None and self.ready and not self.engine.alive
 
     def resolve_model(self, requested: str | None) -> str:
         if requested is None or requested in self.config.served_model_names:
@@ -61,23 +71,34 @@ class ServerState:
             f"The model {requested!r} does not exist; this server serves "
             f"{', '.join(repr(n) for n in self.config.served_model_names)}", param="model")
 
-    def require_engine(self) -> AsyncEngine:
+    def require_engine(self) -> AsyncLLM:
         if self.draining:
             raise ServiceUnavailableError("the server is shutting down; retry on another replica",
                                           retry_after=5, code="draining")
         if not self.ready or self.engine is None:
             raise ServiceUnavailableError("the model is still loading; retry shortly", retry_after=5,
                                           code="loading")
+        if not self.engine.alive:
+            raise EngineDeadError(f"the engine stopped ({self.engine.dead_reason}); retry on another "
+                                  "replica", retry_after=5)
         return self.engine
 
+    @property
+    def capacity(self) -> int:
+        return self.config.max_num_seqs + self.config.max_waiting
+
     def admit(self, num_sequences: int) -> None:
-        """Reserve capacity for `num_sequences` or refuse with 503 + Retry-After."""
-        limit = self.config.max_num_seqs + self.config.max_waiting
-        if self.active_sequences + num_sequences > limit:
+        """Reserve capacity for `num_sequences` or refuse: 400 if it could never fit, else 503 +
+        Retry-After while others hold it."""
+        if num_sequences > self.capacity:
+            raise InvalidRequestError(
+                f"n: the request needs {num_sequences} sequences (n x prompts), more than this server "
+                f"can hold at once ({self.capacity}); lower n or send fewer prompts", param="n")
+        if self.active_sequences + num_sequences > self.capacity:
             self.metrics.rejected("overloaded")
             raise ServiceUnavailableError(
                 f"the server is at capacity ({self.active_sequences} sequences running or queued, "
-                f"limit {limit}); retry later", retry_after=1, code="server_overloaded")
+                f"limit {self.capacity}); retry later", retry_after=1, code="server_overloaded")
         self.active_sequences += num_sequences
 
     def release(self, num_sequences: int) -> None:

@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from kvik.core.errors import InvalidRequestError
+from kvik.gateway.audit import record_admin_action
 from kvik.gateway.state import GatewayState
 from kvik.gateway.usage import aggregate_usage
 
@@ -44,6 +45,7 @@ async def create_key(request: Request) -> Response:
         raise InvalidRequestError(f"{param}: {error['msg']}" if param else error["msg"], param=param) from None
     new = await asyncio.to_thread(state.keys.create, spec.name, role=spec.role, models=spec.models,
                                   rpm=spec.rpm, tpm=spec.tpm, token_budget=spec.token_budget)
+    await record_admin_action(request, "key.create", new.key.id, spec.model_dump())
     # The secret appears in this response and nowhere else, ever.
     return JSONResponse({**new.key.to_public_dict(), "key": new.secret}, status_code=201)
 
@@ -68,6 +70,7 @@ async def revoke_key(request: Request, key_id: str) -> Response:
     state = await _admin(request)
     key = await asyncio.to_thread(state.keys.revoke, key_id)
     state.auth.forget(key_id)
+    await record_admin_action(request, "key.revoke", key_id, {})
     return JSONResponse(key.to_public_dict())
 
 

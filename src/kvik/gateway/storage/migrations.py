@@ -53,6 +53,27 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
         "CREATE INDEX usage_records_created ON usage_records (created_at)",
         "CREATE INDEX usage_records_key ON usage_records (key_id, created_at)",
     ]),
+    (3, "chat page conversations and the admin audit log", [
+        """CREATE TABLE ui_conversations (
+            id TEXT PRIMARY KEY,
+            owner TEXT NOT NULL,                -- the API key id; 'anonymous' when auth is disabled
+            title TEXT NOT NULL,
+            data TEXT NOT NULL,                 -- the page's JSON document: message tree and settings
+            size_bytes INTEGER NOT NULL,
+            created_at {real} NOT NULL,         -- unix seconds
+            updated_at {real} NOT NULL
+        )""",
+        "CREATE INDEX ui_conversations_owner ON ui_conversations (owner, updated_at)",
+        """CREATE TABLE admin_audit (
+            id {pk},
+            created_at {real} NOT NULL,         -- unix seconds
+            actor_key_id TEXT NOT NULL,         -- the admin key that acted
+            action TEXT NOT NULL,               -- 'key.create', 'key.update', 'key.revoke'
+            target TEXT NOT NULL,               -- the id acted on
+            detail TEXT NOT NULL                -- JSON: the fields set (never a secret)
+        )""",
+        "CREATE INDEX admin_audit_created ON admin_audit (created_at)",
+    ]),
 ]
 
 

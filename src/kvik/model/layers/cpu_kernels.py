@@ -17,7 +17,9 @@ import os
 import threading
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
+
+from kvik.core.cache_dir import kvik_cache_dir
 
 logger = logging.getLogger("kvik.model")
 
@@ -27,14 +29,16 @@ _tried = False
 
 
 def _fingerprint(source: bytes) -> str:
-    """Names a build: the source, torch's version, and the CPU (it is built with -march=native, so
-    a cache shared between different machines must not mix binaries)."""
+    """Names a build: the sources and flags, torch's and Python's versions, and the CPU (it is built
+    with -march=native, so a cache shared between different machines must not mix binaries)."""
     import hashlib
     import platform
+    import sys
 
     import torch
 
-    digest = hashlib.sha256(source + torch.__version__.encode() + platform.machine().encode())
+    digest = hashlib.sha256(source + torch.__version__.encode() + platform.machine().encode()
+                            + sys.implementation.cache_tag.encode())
     try:
         with open("/proc/cpuinfo") as cpuinfo:
             digest.update(next((line for line in cpuinfo if line.startswith("flags")), "").encode())
@@ -46,28 +50,100 @@ def _fingerprint(source: bytes) -> str:
 SOURCES = ("paged_attention_cpu.cpp", "fused_ops_cpu.cpp", "gemv_cpu.cpp", "weight_only_cpu.cpp",
            "decode_stack_cpu.cpp")
 HEADERS = ("kernels.h",)
+# -ffast-math lets GCC vectorise expf through glibc's vector math library; the kernels never rely on
+# infinities or NaNs (softmax subtracts the row maximum first).
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 
 
-def _staged_sources() -> tuple[str, list[Path]]:
-    """Copy the kernel sources into a build directory named by their fingerprint. Every checkout
-    then compiles the same paths in the same place, so ninja finds the build up to date instead of
-    rebuilding whenever another checkout's path was used last."""
+def cache_root() -> Path:
+    return kvik_cache_dir() / "torch_extensions"
+
+
+def _sources() -> tuple[str, dict[str, bytes]]:
     package = resources.files("kvik.model.layers").joinpath("csrc")
     sources = {name: package.joinpath(name).read_bytes() for name in SOURCES + HEADERS}
-    root = os.environ.get("KVIK_CACHE_DIR") or Path.home() / ".cache" / "kvik"
-    name = f"kvik_cpu_kernels_{_fingerprint(b''.join(sources.values()))}"
-    build_dir = Path(root) / "torch_extensions" / name
-    build_dir.mkdir(parents=True, exist_ok=True)
-    staged = []
-    for file_name, content in sources.items():
-        target = build_dir / file_name
-        if not target.is_file() or target.read_bytes() != content:
-            scratch = build_dir / f".{file_name}.{os.getpid()}"
-            scratch.write_bytes(content)
-            scratch.replace(target)  # atomic: a concurrent build never sees half a file
-        if file_name in SOURCES:
-            staged.append(target)
-    return name, staged
+    return f"kvik_cpu_kernels_{_fingerprint(b''.join(sources.values()) + ' '.join(CFLAGS).encode())}", sources
+
+
+def _import_built(name: str, path: Path) -> Any:
+    import importlib.machinery
+    import importlib.util
+
+    loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+    spec = importlib.util.spec_from_file_location(name, str(path), loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def _build(name: str, sources: dict[str, bytes], target: Path) -> Any:
+    """Compile in a private directory, then move the library into place in one rename: a build
+    that dies half-way (Ctrl-C, kill -9) leaves nothing another process could trip over."""
+    import shutil
+    import tempfile
+
+    from torch.utils.cpp_extension import load
+
+    scratch = Path(tempfile.mkdtemp(prefix=f".build-{name}-", dir=target.parent))
+    try:
+        for file_name, content in sources.items():
+            (scratch / file_name).write_bytes(content)
+        module = load(name=name, sources=[str(scratch / f) for f in SOURCES], extra_cflags=CFLAGS,
+                      extra_ldflags=["-fopenmp"], build_directory=str(scratch), verbose=False)
+        os.replace(scratch / f"{name}.so", target)
+        return module
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _load_or_build() -> Any:
+    """The compiled kernels for these sources on this CPU, built at most once per machine."""
+    name, sources = _sources()
+    root = cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    return build_once(root / f"{name}.so", root / f"{name}.lock",
+                      build=lambda target: _build(name, sources, target),
+                      load=lambda target: _import_built(name, target))
+
+
+def build_once(target: Path, lock_path: Path, build: Callable[[Path], Any], load: Callable[[Path], Any]) -> Any:
+    """Load `target`, or build it under an exclusive flock first. The kernel releases a flock when
+    its holder dies (Ctrl-C, kill -9), unlike torch's own lock file, so a build killed half-way never
+    blocks a later start; `build` must put `target` in place atomically. Processes that wait say
+    what they are waiting for."""
+    import fcntl
+    import time
+
+    if target.is_file():
+        return load(target)
+    with open(lock_path, "a+") as lock:
+        waited = 0
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if waited % 15 == 0:
+                    lock.seek(0)
+                    holder = lock.read().strip() or "another process"
+                    logger.info("waiting for %s to finish compiling kvik's CPU kernels (%d s so far)",
+                                holder, waited)
+                time.sleep(1.0)
+                waited += 1
+        try:
+            if target.is_file():  # built by the process we waited for
+                return load(target)
+            lock.seek(0)
+            lock.truncate()
+            lock.write(f"pid {os.getpid()}")
+            lock.flush()
+            logger.info("compiling kvik's CPU kernels (once per machine and version, about 30 s) ...")
+            started = time.perf_counter()
+            module = build(target)
+            logger.info("compiled kvik's CPU kernels in %.0f s: %s", time.perf_counter() - started, target)
+            return module
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def cpu_kernels() -> Any:
@@ -82,17 +158,7 @@ def cpu_kernels() -> Any:
         if os.environ.get("KVIK_CPU_KERNELS", "1") == "0":
             return None
         try:
-            from torch.utils.cpp_extension import load
-
-            name, sources = _staged_sources()
-            if not (sources[0].parent / f"{name}.so").is_file():
-                logger.info("compiling kvik's CPU kernels (first run on this machine, about 30 s) ...")
-            # -ffast-math lets GCC vectorise expf through glibc's vector math library; the kernels
-            # never rely on infinities or NaNs (softmax subtracts the row maximum first).
-            _module = load(name=name, sources=[str(s) for s in sources],
-                           extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
-                           extra_ldflags=["-fopenmp"], build_directory=str(sources[0].parent),
-                           verbose=False)
+            _module = _load_or_build()
         except Exception as exc:  # no compiler, no ninja, unsupported platform
             logger.warning("CPU kernels unavailable, using the PyTorch path (%s)", exc)
             _module = None

@@ -29,13 +29,14 @@ class DecodeStackModel(nn.Module):
 
     def __init__(self, inner: LlamaModel, decode_stack: Any, max_rows: int = DECODE_STACK_MAX_ROWS) -> None:
         super().__init__()
-        self.inner = inner
+        # The body's children are adopted under their own names, so parameter names stay LlamaModel's
+        # (weight sync and state_dict address `model.layers.0...`); the body itself is held outside
+        # the module tree for the steps the stack does not take.
+        for name, child in inner.named_children():
+            self.add_module(name, child)
+        object.__setattr__(self, "inner", inner)
         self.decode_stack = decode_stack
         self.decode_stack_rows = max_rows
-
-    @property
-    def layers(self) -> nn.ModuleList:
-        return self.inner.layers
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -72,6 +72,11 @@ class OneDNNLinear(nn.Module):
         return self._kernels.LinearWeight.packed_float32(address, out_features, self.in_features, in_stride,
                                                          block, self.bias)
 
+    def gemv_spec(self) -> tuple[int, int, int, int, torch.Tensor | None] | None:
+        """(address, out_features, in_stride, block, bias) of the packed layout the small-batch GEMV
+        reads (weight sync writes into it in place), or None when that GEMV is not enabled here."""
+        return None if self._gemv is None else (*self._gemv_args, self.bias)
+
     @property
     def nbytes(self) -> int:
         """Bytes of the packed weight (and bias) streamed per pass."""

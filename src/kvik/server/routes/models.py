@@ -13,10 +13,10 @@ router = APIRouter()
 
 
 def model_card(state: ServerState, name: str) -> dict[str, Any]:
-    engine = state.engine.engine if state.engine is not None else None
+    info = state.engine.info if state.engine is not None else None
     return {"id": name, "object": "model", "created": state.started, "owned_by": "kvik",
-            "root": str(engine.model_path) if engine else None,
-            "max_model_len": engine.max_model_len if engine else None}
+            "root": info.model_path if info else None,
+            "max_model_len": info.max_model_len if info else None}
 
 
 @router.get("/v1/models", responses=ERROR_RESPONSES, summary="List the served models")

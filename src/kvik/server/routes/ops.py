@@ -11,7 +11,7 @@ from kvik.server.state import ServerState
 router = APIRouter()
 
 
-@router.get("/health", summary="200 when ready; 503 while loading or draining")
+@router.get("/health", summary="200 when ready; 503 while loading, draining or when the engine died")
 async def health(request: Request) -> Response:
     state: ServerState = request.app.state.server
     if state.draining:
@@ -20,6 +20,8 @@ async def health(request: Request) -> Response:
         return JSONResponse({"status": "failed", "error": str(state.load_error)}, status_code=503)
     if not state.ready:
         return JSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": "5"})
+    if state.engine_dead:
+        return JSONResponse({"status": "engine_dead", "error": state.engine.dead_reason}, status_code=503)
     return JSONResponse({"status": "ok"})
 
 

@@ -1,0 +1,327 @@
+"""`EngineCore`: the model, the KV cache, the scheduler and the sampler, in token ids only.
+
+One step reads schedule() -> execute() -> sample() -> update_from_output(). The core runs either in
+the caller's thread (the offline `LLM`, through `LLMEngine`) or in a process of its own behind a
+socket (`kvik serve`, through `kvik.engine.core_process`); it does not know which. It trusts the
+front end to have validated requests (`kvik.engine.input_processor`) and still refuses, one request
+at a time, anything that would break it.
+
+Pooling requests (embeddings, classification scores) share the step: the runner pools the hidden
+states of the prompts that completed and the scheduler ends those requests with the vector. What a
+model can do (`tasks`: generate, embed, classify) comes from its class; an encoder (BERT) has no KV
+cache and can only pool.
+
+Not thread-safe: one thread drives it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+import torch
+
+from kvik.core.config import EngineArgs
+from kvik.core.errors import ConfigError, InsufficientMemoryError, InvalidRequestError
+from kvik.core.pooling_params import PoolingParams
+from kvik.core.sampling_params import SamplingParams
+from kvik.core.tokenizer import TokenizerSpec
+from kvik.engine.device import default_kv_fraction, free_memory_bytes, select_device, select_dtype
+from kvik.engine.kv_manager import KVCacheManager
+from kvik.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineInfo, EngineStats, PoolingInfo
+from kvik.engine.model_runner import ModelRunner
+from kvik.engine.request import Request, RequestGroup, RequestStatus
+from kvik.engine.sampler import Sampler, prompt_logprobs_for
+from kvik.engine.scheduler import Scheduler
+from kvik.model.loader import load_model, load_model_config, resolve_model_path
+from kvik.model.models.registry import model_class as architecture_class
+from kvik.model.pooling import LAST, label_names, load_pooling_config
+from kvik.model.quant import resolve_precision
+from kvik.model.transforms import optimize_for_inference
+
+logger = logging.getLogger("kvik.engine")
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+class EngineCore:
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        self.device = select_device(args.device)
+        # What runs in which dtype: on the CPU activations stay float32 and --dtype bfloat16 or
+        # --quantization narrow the linear weights only (kvik.model.quant.resolve_precision).
+        self.precision = resolve_precision(
+            self.device, select_dtype(args.dtype, self.device), quantization=args.quantization,
+            group_size=args.quantization_group_size, zero_point=args.quantization_zero_point,
+            kv_cache_dtype=args.kv_cache_dtype)
+        self.dtype = self.precision.compute_dtype
+        path = resolve_model_path(args.model, args.revision)
+        self.model_path = path
+        self.model_config = cfg = load_model_config(path)
+        self.tokenizer_spec = TokenizerSpec.from_pretrained(args.tokenizer or str(path), args.revision)
+        model_class = architecture_class(cfg.architecture)
+        self.tasks: tuple[str, ...] = getattr(model_class, "supported_tasks", ("generate",))
+        self.uses_kv_cache: bool = getattr(model_class, "uses_kv_cache", True)
+        self.pooling = load_pooling_config(path, cfg, getattr(model_class, "default_pooling", LAST),
+                                           getattr(model_class, "default_normalize", True))
+        self.max_model_len = self._resolve_max_model_len()
+        self.max_num_batched_tokens = self._resolve_token_budget()
+
+        started = time.perf_counter()
+        loaded = load_model(path, cfg, self.device, self.dtype, show_progress=args.show_progress)
+        self.model = loaded.model
+        self.weight_bytes = loaded.weight_bytes
+        logger.info("loaded %s (%s, %.1f MiB) on %s as %s in %.1fs", path, cfg.architecture,
+                    loaded.weight_bytes / 2**20, self.device, self.dtype, time.perf_counter() - started)
+        # Quantization, oneDNN packing and the compiled CPU kernels, as module swaps.
+        self.transforms = optimize_for_inference(self.model, self.device, self.dtype,
+                                                 weights=self.precision.weights)
+        self.cpu_kernels = self.transforms.kernels
+        self.weight_bytes = self.transforms.weight_bytes
+        logger.info("precision: %s (%.1f MiB of weights)", self.precision.describe(), self.weight_bytes / 2**20)
+
+        num_blocks = self._num_kv_blocks() if self.uses_kv_cache else 0
+        self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        self.runner = ModelRunner(self.model, num_blocks=num_blocks, block_size=args.block_size,
+                                  num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+                                  head_dim=cfg.head_dim, device=self.device,
+                                  kv_cache_dtype=self.precision.kv_cache_dtype, pooling=self.pooling)
+        spec_eos = [self.tokenizer_spec.eos_token_id] if self.tokenizer_spec.eos_token_id is not None else []
+        self.eos_token_ids = list(dict.fromkeys(cfg.eos_token_ids + spec_eos))
+        self.scheduler = Scheduler(self.kv, args.max_num_seqs, self.max_num_batched_tokens,
+                                   args.enable_chunked_prefill, eos_token_ids=frozenset(self.eos_token_ids),
+                                   max_model_len=self.max_model_len, uses_kv_cache=self.uses_kv_cache)
+        self.sampler = Sampler(cfg.vocab_size, self.eos_token_ids, self.device, seed=args.seed)
+        self.groups: dict[str, RequestGroup] = {}
+        self._arrival_counter = itertools.count()
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    # -- start-up sizing --
+
+    def _resolve_max_model_len(self) -> int:
+        cfg, requested = self.model_config, self.args.max_model_len
+        limit = cfg.max_position_embeddings
+        if cfg.sliding_window and cfg.sliding_window < limit:
+            # kvik has no sliding-window attention: within the window, full attention is exact.
+            logger.warning("model uses a sliding window of %d tokens; context capped to it",
+                           cfg.sliding_window)
+            limit = cfg.sliding_window
+        if requested is None:
+            # sentence-transformers models declare the longest input they were trained on.
+            trained = self.pooling.max_seq_length
+            return min(limit, trained) if trained and self.tasks == ("embed",) else limit
+        if requested > limit:
+            raise ConfigError(f"max_model_len: {requested} exceeds the model's context length {limit}")
+        return requested
+
+    def _resolve_token_budget(self) -> int:
+        requested = self.args.max_num_batched_tokens
+        if not self.args.enable_chunked_prefill or not self.uses_kv_cache:
+            budget = requested or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_model_len)
+            if budget < self.max_model_len:
+                raise ConfigError(f"max_num_batched_tokens: {budget} is below max_model_len "
+                                  f"{self.max_model_len}; without chunked prefill (or for an "
+                                  "encoder, which has no KV cache) a whole prompt must fit one step")
+            return budget
+        return requested or DEFAULT_MAX_NUM_BATCHED_TOKENS
+
+    def _num_kv_blocks(self) -> int:
+        cfg, args = self.model_config, self.args
+        per_block = ModelRunner.bytes_per_block(cfg.num_layers, args.block_size, cfg.num_kv_heads,
+                                                cfg.head_dim, self.precision.kv_cache_dtype)
+        free = free_memory_bytes(self.device)
+        if args.kv_cache_memory is not None:
+            budget = args.kv_cache_memory
+            if budget > free:
+                raise InsufficientMemoryError(
+                    f"kv_cache_memory: {budget / 2**20:.0f} MiB requested but only {free / 2**20:.0f} "
+                    f"MiB is free on {self.device} after loading the model "
+                    f"({self.weight_bytes / 2**20:.0f} MiB); lower --kv-cache-memory")
+        else:
+            budget = int(free * (args.kv_cache_fraction or default_kv_fraction(self.device)))
+        blocks_per_seq = -(-self.max_model_len // args.block_size)
+        num_blocks = budget // per_block
+        if num_blocks < blocks_per_seq:
+            raise InsufficientMemoryError(
+                f"the KV cache budget of {budget / 2**20:.1f} MiB holds {num_blocks} blocks of "
+                f"{args.block_size} tokens, but one sequence of max_model_len={self.max_model_len} needs "
+                f"{blocks_per_seq} ({blocks_per_seq * per_block / 2**20:.1f} MiB) next to the "
+                f"{self.weight_bytes / 2**20:.0f} MiB model; raise --kv-cache-memory or lower "
+                "--max-model-len")
+        # More blocks than every sequence slot can fill only feeds the prefix cache; stop there.
+        cap = 2 * args.max_num_seqs * blocks_per_seq
+        if num_blocks > cap:
+            num_blocks = cap
+        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", num_blocks, args.block_size,
+                    num_blocks * per_block / 2**20)
+        return num_blocks
+
+    def info(self) -> EngineInfo:
+        return EngineInfo(
+            model_path=str(self.model_path), architecture=self.model_config.architecture,
+            max_model_len=self.max_model_len, vocab_size=self.model_config.vocab_size,
+            eos_token_ids=list(self.eos_token_ids), num_kv_blocks=self.kv.pool.num_blocks,
+            block_size=self.args.block_size, max_num_seqs=self.args.max_num_seqs,
+            device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
+            weight_bytes=self.weight_bytes, tokenizer=self.tokenizer_spec, tasks=list(self.tasks),
+            pooling=self._pooling_info(), precision=self.precision.describe())
+
+    def _pooling_info(self) -> PoolingInfo | None:
+        if not any(task in self.tasks for task in ("embed", "classify")):
+            return None
+        pooling = self.pooling
+        labels = label_names(self.model_config) if "classify" in self.tasks else []
+        return PoolingInfo(method=pooling.method, normalize=pooling.normalize,
+                           hidden_size=pooling.hidden_size, matryoshka=pooling.matryoshka,
+                           matryoshka_dimensions=list(pooling.matryoshka_dimensions), labels=labels)
+
+    def warm_up(self) -> None:
+        """One forward through every layer: the first step pays for lazy initialisation (allocator,
+        kernels) that a user's first request should not."""
+        params = SamplingParams(max_tokens=2, ignore_eos=True)
+        pooling = None if "generate" in self.tasks else PoolingParams(task=self.tasks[0])
+        self.add_request(EngineCoreRequest("warmup", [1, 2, 3, 4], params, 2, time.time(), pooling=pooling))
+        while self.has_unfinished_requests():
+            self.step()
+        self.kv.pool.reset_prefix_cache()
+
+    # -- requests --
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Admit a validated request; raises InvalidRequestError (the request fails alone) if it
+        would break the engine anyway."""
+        request_id, token_ids, params = request.request_id, request.prompt_token_ids, request.params
+        if request_id in self.groups:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        pooling = request.pooling
+        task = pooling.task if pooling is not None else "generate"
+        if task not in self.tasks:
+            raise InvalidRequestError(f"request {request_id}: this model does not {task} (it can "
+                                      f"{', '.join(self.tasks)})")
+        vocab = self.model_config.vocab_size
+        # A pooling prompt may fill the context: nothing is generated after it.
+        limit = self.max_model_len + (1 if pooling is not None else 0)
+        if not token_ids or len(token_ids) >= limit or any(not 0 <= t < vocab for t in token_ids):
+            raise InvalidRequestError(f"request {request_id}: prompt is empty, too long or has token ids "
+                                      "outside the vocabulary", param="prompt")
+        if pooling is not None:
+            self._add_pooling_request(request, pooling)
+            return
+        max_tokens = min(request.max_tokens, self.max_model_len - len(token_ids))
+        group = RequestGroup(request_id, list(token_ids), params, request.arrival_time,
+                             cache_salt=request.cache_salt.encode() if request.cache_salt else b"",
+                             salt_from_token=request.salt_from_token)
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None]
+        for index in range(params.n):
+            sequence = Request(
+                seq_id=f"{request_id}#{index}", group=group, index=index, params=params,
+                max_tokens=max_tokens, all_token_ids=list(token_ids), num_prompt_tokens=len(token_ids),
+                arrival_order=next(self._arrival_counter),
+                wants_prompt_logprobs=index == 0 and params.prompt_logprobs is not None,
+            )
+            if index > 0 and self.args.enable_prefix_caching:
+                sequence.wait_for_prompt_of = group.sequences[0]
+            group.sequences.append(sequence)
+            self.scheduler.add(sequence)
+        self.groups[request_id] = group
+        self.prompt_tokens_total += len(token_ids)
+
+    def _add_pooling_request(self, request: EngineCoreRequest, pooling: PoolingParams) -> None:
+        token_ids = list(request.prompt_token_ids)
+        pad = self.model_config.raw.get("pad_token_id")
+        if pooling.task == "classify" and isinstance(pad, int):
+            # HF classifies at the last token that is not padding (the first token if all are).
+            while len(token_ids) > 1 and token_ids[-1] == pad:
+                token_ids.pop()
+        params = request.params.clone(n=1)
+        group = RequestGroup(request.request_id, token_ids, params, request.arrival_time,
+                             cache_salt=request.cache_salt.encode() if request.cache_salt else b"",
+                             salt_from_token=request.salt_from_token)
+        sequence = Request(
+            seq_id=f"{request.request_id}#0", group=group, index=0, params=params, max_tokens=0,
+            all_token_ids=token_ids, num_prompt_tokens=len(token_ids),
+            arrival_order=next(self._arrival_counter), pooling=pooling,
+            needs_whole_prompt=not self.uses_kv_cache or self.pooling.method != LAST)
+        group.sequences.append(sequence)
+        self.scheduler.add(sequence)
+        self.groups[request.request_id] = group
+        self.prompt_tokens_total += len(token_ids)
+
+    def abort(self, request_id: str, index: int = -1) -> bool:
+        """Stop a request's sequences (one, or all with index -1) and free their blocks now; False
+        if nothing was running under that id."""
+        group = self.groups.get(request_id)
+        if group is None:
+            return False
+        for sequence in group.sequences:
+            if (index < 0 or sequence.index == index) and not sequence.status.finished:
+                sequence.finish_reason = RequestStatus.FINISHED_ABORTED.value
+                self.scheduler.finish(sequence, RequestStatus.FINISHED_ABORTED)
+        if group.finished:
+            del self.groups[request_id]
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    def fail_all(self, message: str) -> list[EngineCoreOutput]:
+        """After a failed step: end every request with an error and free its blocks."""
+        outputs = []
+        for request_id, group in list(self.groups.items()):
+            for sequence in group.sequences:
+                if not sequence.status.finished:
+                    self.scheduler.finish(sequence, RequestStatus.FINISHED_ERROR)
+                    outputs.append(EngineCoreOutput(request_id, sequence.index, finish_reason="error",
+                                                    error=message))
+            del self.groups[request_id]
+        return outputs
+
+    def reset_prefix_cache(self) -> int:
+        return self.kv.pool.reset_prefix_cache()
+
+    # -- the step --
+
+    def step(self) -> list[EngineCoreOutput]:
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            return []
+        result = self.runner.execute(scheduled.chunks)
+        for piece in result.prompt_slices:
+            request = piece.chunk.request
+            group = request.group
+            targets = group.prompt_token_ids[piece.first_token:piece.first_token + piece.num_rows]
+            rows = result.logits[piece.row_start:piece.row_start + piece.num_rows]
+            group.prompt_logprobs.extend(prompt_logprobs_for(rows, targets, group.params.prompt_logprobs))
+            request.num_prompt_logprobs_done = piece.first_token + piece.num_rows - 1
+        requests: list[Request] = [chunk.request for chunk in result.sample_chunks]
+        sampled_map = {}
+        if requests:
+            sampled = self.sampler(result.logits[:len(requests)], requests)
+            sampled_map = {r: (t, lp) for r, t, lp in zip(requests, sampled.token_ids, sampled.logprobs)}
+        self.generation_tokens_total += len(requests)
+        pooled = {chunk.request: float32_bytes(vector) for chunk, vector in result.pooled}
+        outputs = self.scheduler.update_from_output(scheduled, sampled_map, pooled)
+        for output in outputs:
+            group = self.groups.get(output.request_id)
+            if group is not None and group.finished:
+                del self.groups[output.request_id]
+        return outputs
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.kv.usage, num_blocks=self.kv.pool.num_blocks,
+            num_free_blocks=self.kv.num_free_blocks(), prefix_cache_queries=self.kv.prefix_cache_queries,
+            prefix_cache_hits=self.kv.prefix_cache_hits, num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens=self.prompt_tokens_total, generation_tokens=self.generation_tokens_total,
+        )
+
+
+def float32_bytes(vector: torch.Tensor) -> bytes:
+    """A 1-D float32 CPU tensor as little-endian bytes (what the wire and base64 carry)."""
+    return vector.contiguous().numpy().astype("<f4", copy=False).tobytes()

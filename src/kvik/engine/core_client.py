@@ -1,0 +1,190 @@
+"""`EngineCoreClient`: the front end's handle on an engine core running in a process or a thread.
+
+It binds two ZeroMQ sockets (inputs out, outputs in), starts the core (`kvik.engine.core_process`)
+as a spawned process, or as a thread over in-process sockets (tests, embedding), waits for its
+`EngineInfo`, then hands every `EngineCoreOutputs` to a callback on the event loop. It watches the
+core: if the process exits or the thread ends without being told to, `on_dead` is called once with
+the reason, so the front end can fail what is in flight and stop saying it is healthy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+import threading
+from typing import Any, Callable
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from kvik.core.config import EngineArgs
+from kvik.core.errors import ConfigError, KvikError
+from kvik.engine.messages import (AbortRequests, EngineCoreOutputs, EngineCoreRequest, EngineInfo,
+                                  Shutdown, StartupFailed, UtilityCall, output_decoder, startup_decoder)
+
+logger = logging.getLogger("kvik.engine")
+
+
+class EngineStartError(ConfigError):
+    """The engine core could not start; the message says why."""
+
+
+class EngineCoreClient:
+    def __init__(self, args: EngineArgs, *, in_thread: bool = False) -> None:
+        self.args = args
+        self.in_thread = in_thread
+        self.context = zmq.asyncio.Context()
+        if in_thread:
+            name = f"kvik-{os.getpid()}-{id(self)}"
+            self._ipc_dir = None
+            self.input_address, self.output_address = f"inproc://{name}-in", f"inproc://{name}-out"
+        else:
+            self._ipc_dir = tempfile.mkdtemp(prefix="kvik-engine-")  # 0700: only this user connects
+            self.input_address = f"ipc://{self._ipc_dir}/in"
+            self.output_address = f"ipc://{self._ipc_dir}/out"
+        self.inputs = self.context.socket(zmq.PUSH)
+        self.inputs.bind(self.input_address)
+        self.outputs = self.context.socket(zmq.PULL)
+        self.outputs.bind(self.output_address)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.process: multiprocessing.process.BaseProcess | None = None
+        self.thread: threading.Thread | None = None
+        self.info: EngineInfo | None = None
+        self.dead_reason: str | None = None
+        self._stopping = False
+        self._reader: asyncio.Task | None = None
+        self._call_ids = itertools.count()
+        self._calls: dict[int, asyncio.Future] = {}
+
+    # -- lifecycle --
+
+    async def start(self, on_outputs: Callable[[EngineCoreOutputs], None],
+                    on_dead: Callable[[str], None]) -> EngineInfo:
+        """Start the core and wait until it has loaded the model (or failed to)."""
+        loop = asyncio.get_running_loop()
+        if self.in_thread:
+            from kvik.engine.core_process import run_engine_core
+
+            sync_context = zmq.Context.shadow(self.context.underlying)
+            self.thread = threading.Thread(
+                target=run_engine_core, name="kvik-engine", daemon=True,
+                args=(self.args, self.input_address, self.output_address, sync_context))
+            self.thread.start()
+        else:
+            from kvik.engine.core_process import engine_process_main
+
+            spawn = multiprocessing.get_context("spawn")
+            self.process = spawn.Process(
+                target=engine_process_main, name="kvik-engine", daemon=True,
+                args=(self.args, self.input_address, self.output_address, os.getpid(),
+                      logging.getLogger().getEffectiveLevel()))
+            self.process.start()
+        watcher_done = loop.create_future()
+        threading.Thread(target=self._watch, args=(loop, watcher_done, on_dead), name="kvik-engine-watch",
+                         daemon=True).start()
+        first = asyncio.ensure_future(self.outputs.recv())
+        await asyncio.wait({first, watcher_done}, return_when=asyncio.FIRST_COMPLETED)
+        if not first.done():
+            first.cancel()
+            raise EngineStartError(f"the engine exited while starting ({self.dead_reason}); "
+                                   "see the log above")
+        message = startup_decoder().decode(first.result())
+        if isinstance(message, StartupFailed):
+            self._stopping = True
+            raise EngineStartError(message.message)
+        self.info = message
+        decoder = output_decoder()
+        self._reader = asyncio.ensure_future(self._read(decoder, on_outputs))
+        return message
+
+    def _watch(self, loop: asyncio.AbstractEventLoop, done: asyncio.Future,
+               on_dead: Callable[[str], None]) -> None:
+        """Wait for the core to end; if nobody asked it to, report it dead (on the loop)."""
+        if self.process is not None:
+            self.process.join()
+            reason = f"engine process {self.process.pid} exited with code {self.process.exitcode}"
+        else:
+            self.thread.join()
+            reason = "the engine thread ended"
+
+        def report() -> None:
+            self.dead_reason = self.dead_reason or reason
+            if not done.done():
+                done.set_result(None)
+            for future in self._calls.values():
+                if not future.done():
+                    future.set_exception(KvikError(f"the engine is not running ({reason})"))
+            if not self._stopping:
+                logger.error("%s", reason)
+                on_dead(reason)
+
+        try:
+            loop.call_soon_threadsafe(report)
+        except RuntimeError:  # the loop is closed: the server is gone anyway
+            pass
+
+    async def _read(self, decoder: msgspec.msgpack.Decoder,
+                    on_outputs: Callable[[EngineCoreOutputs], None]) -> None:
+        while True:
+            frame = await self.outputs.recv(copy=False)
+            message = decoder.decode(frame.buffer)
+            if message.utility is not None:
+                future = self._calls.pop(message.utility.call_id, None)
+                if future is not None and not future.done():
+                    if message.utility.error:
+                        future.set_exception(KvikError(message.utility.error))
+                    else:
+                        future.set_result(message.utility.result)
+            try:
+                on_outputs(message)
+            except Exception:  # noqa: BLE001 - a front-end bug must not stop the reader
+                logger.exception("processing engine outputs failed")
+
+    @property
+    def alive(self) -> bool:
+        if self.process is not None:
+            return self.process.is_alive()
+        return self.thread is not None and self.thread.is_alive()
+
+    async def shutdown(self, timeout: float = 5.0) -> None:
+        self._stopping = True
+        if self.alive:
+            try:
+                await self.inputs.send(self.encoder.encode(Shutdown()))
+            except zmq.ZMQError:
+                pass
+        worker = self.process or self.thread
+        if worker is not None:
+            await asyncio.get_running_loop().run_in_executor(None, worker.join, timeout)
+        if self.process is not None and self.process.is_alive():
+            self.process.kill()
+            self.process.join(1)
+        if self._reader is not None:
+            self._reader.cancel()
+        self.inputs.close(linger=0)
+        self.outputs.close(linger=0)
+        if self._ipc_dir is not None:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+    # -- requests --
+
+    async def add_request(self, request: EngineCoreRequest) -> None:
+        await self.inputs.send(self.encoder.encode(request), copy=False)
+
+    async def abort(self, targets: list[tuple[str, int]]) -> None:
+        if targets and self.alive:
+            await self.inputs.send(self.encoder.encode(AbortRequests(targets)))
+
+    async def call(self, method: str, *args: Any) -> Any:
+        """Run a utility method on the core (reset_prefix_cache, stats) and return its result."""
+        call_id = next(self._call_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = future
+        await self.inputs.send(self.encoder.encode(UtilityCall(call_id, method, list(args))))
+        return await future
