@@ -134,3 +134,53 @@ def test_int8_kv_round_trip():
     step = scales.float()[..., None]
     assert torch.all((restored - rows).abs() <= step / 2 * 1.01)
     assert torch.all(quantized.abs().amax(-1) >= 126)  # each row uses its full range
+
+
+def test_the_kernels_use_what_this_cpu_offers(kernels):
+    """Built for the CPU that runs them: AVX2 code exactly where /proc/cpuinfo lists avx2, fma and
+    f16c (with a note on AVX-512 CPUs), the plain loops elsewhere or when built for another target."""
+    import os
+
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = set(next((line for line in cpuinfo if line.startswith("flags")), "").split())
+    except OSError:
+        pytest.skip("no /proc/cpuinfo")
+    isa = kernels.simd_isa()
+    if os.environ.get("KVIK_CPU_KERNELS_MARCH") not in (None, "", "native"):
+        assert isa in ("portable", "avx2", "avx2 (on an AVX-512 CPU)")
+    elif {"avx2", "fma", "f16c"} <= flags:
+        assert isa == ("avx2 (on an AVX-512 CPU)" if "avx512f" in flags else "avx2")
+    else:
+        assert isa == "portable"
+
+
+def test_kernel_sources_compile_for_a_cpu_without_avx2(tmp_path):
+    """The kernels are built with -march=native; on a CPU without AVX2/FMA/F16C the intrinsics are
+    compiled out and the plain loops (tested above as "portable") remain. Every source that uses
+    intrinsics must compile that way: a syntax-only pass for x86-64-v2 (SSE4.2, no AVX), seconds
+    rather than a build.
+    (KVIK_CPU_KERNELS_MARCH=x86-64-v2 kvik build-kernels builds and loads such a library for real.)"""
+    import platform
+    import shutil
+    import subprocess
+    import sysconfig
+    from importlib import resources
+
+    from torch.utils.cpp_extension import include_paths
+
+    from kvik.model.layers.cpu_kernels import SOURCES
+
+    compiler = shutil.which("c++") or shutil.which("g++")
+    if compiler is None or platform.machine() != "x86_64":
+        pytest.skip("needs an x86-64 C++ compiler")
+    csrc = resources.files("kvik.model.layers").joinpath("csrc")
+    includes = [f"-I{path}" for path in include_paths()] + [f"-I{csrc}", f"-I{sysconfig.get_paths()['include']}"]
+    with_intrinsics = [name for name in SOURCES if "immintrin.h" in csrc.joinpath(name).read_text()]
+    assert with_intrinsics, "no source includes immintrin.h: update this test"
+    for source in with_intrinsics:
+        result = subprocess.run([compiler, "-std=c++20", "-fsyntax-only", "-march=x86-64-v2", "-fopenmp",
+                                 "-DTORCH_EXTENSION_NAME=kvik_syntax_check", "-DTORCH_API_INCLUDE_EXTENSION_H",
+                                 *includes, str(csrc.joinpath(source))],
+                                capture_output=True, text=True, cwd=tmp_path)
+        assert result.returncode == 0, f"{source} does not compile without AVX2:\n{result.stderr[-3000:]}"

@@ -95,6 +95,8 @@ def measure_format(model: str, engine_args: dict[str, Any], decode_tokens: int, 
         "precision": core.precision.describe(),
         "kernels": core.transforms.kernel_isa,
         "linear_weight_bytes": core.transforms.linear_weight_bytes,
+        # Scales, zero points and biases included: int8 is a little over 1, int4 over 0.5.
+        "bytes_per_weight": core.transforms.linear_weight_bytes / core.transforms.linear_weights,
         "bytes_per_token": bytes_per_token,
         "decode_tokens_per_second": decode_tokens / sum(decode_times),
         "read_bandwidth": bytes_per_token * decode_tokens / sum(read_times),
@@ -186,7 +188,7 @@ def run(config: QuantBenchConfig) -> dict[str, Any]:
         rounds.append({fmt: run_child(config, fmt, workdir, index) for fmt in config.formats})
     lines = ["", f"weights ({config.rounds} rounds; median (min-max) over rounds; ratios to float32 of the same "
                  "round):",
-             f"  {'format':<9} {'MB/token':>8} {'decode tok/s':>18} {'x fp32':>18} {'% of paired read':>18} "
+             f"  {'format':<9} {'B/weight':>8} {'MB/token':>8} {'decode tok/s':>18} {'x fp32':>18} {'% of paired read':>18} "
              f"{'prompt tok/s':>20} {'x fp32':>18}"]
     summary: dict[str, Any] = {}
     for fmt in config.formats:
@@ -197,12 +199,15 @@ def run(config: QuantBenchConfig) -> dict[str, Any]:
                         for r in rounds] if "float32" in config.formats else [float("nan")]
         prompt_ratio = [r[fmt]["prompt_tokens_per_second"] / r["float32"]["prompt_tokens_per_second"]
                         for r in rounds] if "float32" in config.formats else [float("nan")]
-        summary[fmt] = {"bytes_per_token": rounds[0][fmt]["bytes_per_token"], "decode_tokens_per_second": decode,
+        summary[fmt] = {"bytes_per_token": rounds[0][fmt]["bytes_per_token"],
+                        "bytes_per_weight": rounds[0][fmt]["bytes_per_weight"],
+                        "decode_tokens_per_second": decode,
                         "decode_bandwidth_percent": fraction, "prompt_tokens_per_second": prompt,
                         "decode_ratio": decode_ratio, "prompt_ratio": prompt_ratio,
                         "read_bandwidth": [r[fmt]["read_bandwidth"] for r in rounds],
                         "precision": rounds[0][fmt]["precision"], "kernels": rounds[0][fmt]["kernels"]}
-        lines.append(f"  {fmt:<9} {rounds[0][fmt]['bytes_per_token'] / 1e6:8.1f} {_spread(decode):>18} "
+        lines.append(f"  {fmt:<9} {rounds[0][fmt]['bytes_per_weight']:8.3f} "
+                     f"{rounds[0][fmt]['bytes_per_token'] / 1e6:8.1f} {_spread(decode):>18} "
                      f"{_spread(decode_ratio):>18} {_spread(fraction):>18} {_spread(prompt):>20} "
                      f"{_spread(prompt_ratio):>18}")
     bandwidths = [r[f]["read_bandwidth"] / 1e9 for r in rounds for f in config.formats]

@@ -52,6 +52,7 @@ class TransformReport:
     swapped_modules: int = 0  # norms, attention, MLPs, paged attention on compiled kernels
     weight_bytes: int = 0  # every parameter and buffer of the model after the passes
     linear_weight_bytes: int = 0  # what one decode step streams: all linear layers' weights
+    linear_weights: int = 0  # elements of those weights (in x out each); bytes per weight = the ratio
     notes: list[str] = field(default_factory=list)
 
 
@@ -100,6 +101,8 @@ def optimize_for_inference(model: nn.Module, device: torch.device, dtype: torch.
         report.notes.append("no compiled kernels: quantized weights are dequantized by PyTorch ops")
     report.weight_bytes = _model_bytes(model)
     report.linear_weight_bytes = _linear_bytes(model)
+    report.linear_weights = sum(m.in_features * m.out_features for m in model.modules()
+                                if isinstance(m, (WeightOnlyLinear, OneDNNLinear, nn.Linear)))
     logger.info("inference passes: weights %s (%.1f MiB, %.1f MiB in linear layers), kernels %s, "
                 "%d modules swapped", report.weights, report.weight_bytes / 2**20,
                 report.linear_weight_bytes / 2**20, report.kernel_isa or "off", report.swapped_modules)
