@@ -80,6 +80,10 @@ def test_engine_args_validate_quantization_and_kv_dtype():
         EngineArgs(model="m", quantization="int4", quantization_group_size=48)
     with pytest.raises(ConfigError, match="kv_cache_dtype: 'fp8'"):
         EngineArgs(model="m", kv_cache_dtype="fp8")
+    with pytest.raises(ConfigError, match="apply to quantization='int4' only"):
+        EngineArgs(model="m", quantization="int8", quantization_zero_point=True)
+    with pytest.raises(ConfigError, match="quantization_zero_point: expected true or false"):
+        EngineArgs(model="m", quantization="int4", quantization_zero_point="yes")
     import argparse
 
     parser = argparse.ArgumentParser()

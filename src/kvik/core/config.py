@@ -73,6 +73,9 @@ class EngineArgs:
         if self.quantization_group_size not in QUANTIZATION_GROUP_SIZES:
             raise ConfigError(f"quantization_group_size: {self.quantization_group_size} is not one of "
                               f"{', '.join(map(str, QUANTIZATION_GROUP_SIZES))}")
+        if self.quantization != "int4" and (self.quantization_zero_point or self.quantization_group_size != 64):
+            raise ConfigError("quantization_group_size / quantization_zero_point apply to "
+                              "quantization='int4' only (--quantization int4)")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype: {self.kv_cache_dtype!r} is not one of "
                               f"{', '.join(KV_CACHE_DTYPES)}")
