@@ -30,6 +30,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="largest request body accepted (413 above)")
     server.add_argument("--body-read-timeout", type=float, default=30.0,
                         help="seconds a client may take to send its request body (408 after)")
+    server.add_argument("--header-timeout", type=float, default=10.0,
+                        help="seconds a client may take from a request's first byte to the end of its "
+                             "headers (408 and close after; a slowloris defence)")
     server.add_argument("--trust-request-chat-template", action="store_true",
                         help="let requests bring their own chat template (`chat_template`); off by "
                              "default, since a template is code the server runs")
@@ -69,14 +72,18 @@ def run(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.max_waiting < 0:
         raise ConfigError("--max-waiting: must be >= 0")
-    if args.tokenizer_workers < 0 or args.tokenizer_timeout <= 0 or args.body_read_timeout <= 0:
-        raise ConfigError("--tokenizer-workers must be >= 0; --tokenizer-timeout and --body-read-timeout > 0")
+    if args.tokenizer_workers < 0:
+        raise ConfigError("--tokenizer-workers: must be >= 0")
+    for flag in ("tokenizer_timeout", "body_read_timeout", "header_timeout"):
+        if not getattr(args, flag) > 0:
+            raise ConfigError(f"--{flag.replace('_', '-')}: must be > 0, got {getattr(args, flag)}")
     default = None if args.model else default_model()
     engine_args = EngineArgs.from_cli_args(args, default_model=args.model or default.path)
     names = args.served_model_name or [args.model or default.served_name]
     config = ServerConfig(served_model_names=names, api_key=args.api_key or os.environ.get("KVIK_API_KEY"),
                           max_waiting=args.max_waiting, drain_timeout=args.drain_timeout,
                           max_body_bytes=args.max_body_bytes, body_read_timeout=args.body_read_timeout,
+                          header_timeout=args.header_timeout,
                           log_prompts=args.log_prompts, max_num_seqs=engine_args.max_num_seqs,
                           trust_request_chat_template=args.trust_request_chat_template,
                           responses_store=args.responses_store or default_responses_store())
