@@ -134,3 +134,16 @@ def test_bad_updates_are_refused_and_the_engine_must_be_idle(model_dir_factory) 
         llm.update_weights(state)
     llm.engine.abort_request("busy")
     llm.update_weights(state)  # idle again: accepted
+
+
+@pytest.mark.parametrize("engine_args", [{"quantization": "int8"}, {"dtype": "bfloat16"}])
+def test_a_quantized_engine_refuses_updates_and_keeps_its_weights(model_dir_factory, engine_args) -> None:
+    """Weight sync copies float weights; an engine serving int8/int4/bfloat16 linears says so
+    instead of silently serving stale or half-written weights."""
+    base = model_dir_factory("llama")
+    llm = LLM(str(base), device="cpu", show_progress=False, **engine_args)
+    before = _tokens(llm, PROMPTS)
+    state = _perturbed_model(base, seed=4).state_dict()
+    with pytest.raises(InvalidRequestError, match="weight sync needs float weights"):
+        llm.update_weights(state)
+    assert _tokens(llm, PROMPTS) == before

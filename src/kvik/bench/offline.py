@@ -121,8 +121,8 @@ def run_kvik(model: str, workload: Workload, engine_args: dict[str, Any]) -> Off
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert produced == workload.output_tokens, (produced, workload.output_tokens)
     per_block = engine.kv.pool.num_blocks
-    extra = {"weight_bytes": engine.weight_bytes, "kv_cache_bytes": int(engine.runner.kv_cache.numel()
-             * engine.runner.kv_cache.element_size()), "kv_blocks": per_block,
+    extra = {"weight_bytes": engine.weight_bytes, "kv_cache_bytes": engine.runner.kv_cache.nbytes,
+             "kv_blocks": per_block,
              "preemptions": engine.scheduler.num_preemptions, "engine_args": engine_args}
     return OfflineResult("kvik", seconds, workload.prompt_tokens, produced, rss.peak, _load_peak(), extra)
 

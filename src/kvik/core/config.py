@@ -16,6 +16,9 @@ from kvik.core.errors import ConfigError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+QUANTIZATIONS = ("int8", "int4")
+QUANTIZATION_GROUP_SIZES = (32, 64, 128)
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8")
 
 
 @dataclass(slots=True)
@@ -25,6 +28,11 @@ class EngineArgs:
     revision: str | None = None  # hub revision when `model` is a hub id
     device: str = "auto"  # auto: CUDA when available, else CPU
     dtype: str = "auto"  # auto: bfloat16 (float16 without bf16 support) on CUDA, float32 on CPU
+    # Weight-only quantization at load: int8 (per output channel) or int4 (per group of inputs).
+    quantization: str | None = None
+    quantization_group_size: int = 64  # int4: inputs per scale
+    quantization_zero_point: bool = False  # int4: asymmetric groups with a zero point
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype; int8 has a scale per token and head
     seed: int = 0
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     block_size: int = 16  # tokens per KV block
@@ -59,6 +67,18 @@ class EngineArgs:
             raise ConfigError("model: give a local model directory or a hub id")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype: {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"quantization: {self.quantization!r} is not one of "
+                              f"{', '.join(QUANTIZATIONS)}")
+        if self.quantization_group_size not in QUANTIZATION_GROUP_SIZES:
+            raise ConfigError(f"quantization_group_size: {self.quantization_group_size} is not one of "
+                              f"{', '.join(map(str, QUANTIZATION_GROUP_SIZES))}")
+        if self.quantization != "int4" and (self.quantization_zero_point or self.quantization_group_size != 64):
+            raise ConfigError("quantization_group_size / quantization_zero_point apply to "
+                              "quantization='int4' only (--quantization int4)")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype: {self.kv_cache_dtype!r} is not one of "
+                              f"{', '.join(KV_CACHE_DTYPES)}")
         if self.device not in DEVICES and not self.device.startswith("cuda:"):
             raise ConfigError(f"device: {self.device!r} is not one of {', '.join(DEVICES)} or cuda:N")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -94,7 +114,20 @@ class EngineArgs:
         group.add_argument("--revision", default=None, help="hub revision for a hub id")
         group.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
         group.add_argument("--dtype", default="auto", choices=DTYPES,
-                           help="weights and KV dtype (default: auto: bfloat16 on CUDA, float32 on CPU)")
+                           help="weights and KV dtype (default: auto: bfloat16 on CUDA, float32 on CPU). "
+                                "On the CPU, bfloat16 narrows the weights and KV cache; arithmetic stays "
+                                "float32 unless the CPU has bfloat16 instructions")
+        group.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                           help="quantize the weights at load: int8 (a scale per output channel) or int4 "
+                                "(a scale per group of inputs; the LM head int8)")
+        group.add_argument("--quantization-group-size", type=int, default=64,
+                           choices=QUANTIZATION_GROUP_SIZES,
+                           help="int4: inputs per scale (default: 64)")
+        group.add_argument("--quantization-zero-point", action="store_true",
+                           help="int4: asymmetric groups with a zero point each (default: symmetric)")
+        group.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                           help="KV cache storage (default: auto, the model's dtype); int8 stores a "
+                                "float16 scale per token and head and holds ~3.9x float32's tokens")
         group.add_argument("--seed", type=int, default=0, help="seed for requests without their own")
         group.add_argument("--max-model-len", type=int, default=None,
                            help="context length (default: the model's max_position_embeddings)")
@@ -128,7 +161,8 @@ _FIELD_TYPES: dict[str, Any] = {
     "model": str, "tokenizer": str, "revision": str, "device": str, "dtype": str, "seed": int,
     "max_model_len": int, "block_size": int, "kv_cache_memory": int, "kv_cache_fraction": (int, float),
     "max_num_seqs": int, "max_num_batched_tokens": int, "enable_prefix_caching": bool,
-    "enable_chunked_prefill": bool, "threads": int, "show_progress": bool,
+    "enable_chunked_prefill": bool, "threads": int, "show_progress": bool, "quantization": str,
+    "quantization_group_size": int, "quantization_zero_point": bool, "kv_cache_dtype": str,
 }
 _TYPE_NAMES = {str: "a string", int: "an integer", bool: "true or false"}
 

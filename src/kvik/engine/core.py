@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 
 import torch
@@ -37,11 +36,10 @@ from kvik.engine.sampler import Sampler, prompt_logprobs_for
 from kvik.engine.scheduler import Scheduler
 from kvik.engine.structured.matcher import GrammarBackend
 from kvik.model.loader import load_model, load_model_config, resolve_model_path
-from kvik.model.layers.cpu_kernels import cpu_kernels
 from kvik.model.models.registry import model_class as architecture_class
 from kvik.model.pooling import LAST, label_names, load_pooling_config
-from kvik.model.transforms.cpu_fused_ops import enable_cpu_fused_ops
-from kvik.model.transforms.onednn_linear import onednn_available, pack_linears_for_onednn
+from kvik.model.quant import resolve_precision
+from kvik.model.transforms import optimize_for_inference
 
 logger = logging.getLogger("kvik.engine")
 
@@ -54,7 +52,13 @@ class EngineCore:
         if args.threads:
             torch.set_num_threads(args.threads)
         self.device = select_device(args.device)
-        self.dtype = select_dtype(args.dtype, self.device)
+        # What runs in which dtype: on the CPU activations stay float32 and --dtype bfloat16 or
+        # --quantization narrow the linear weights only (kvik.model.quant.resolve_precision).
+        self.precision = resolve_precision(
+            self.device, select_dtype(args.dtype, self.device), quantization=args.quantization,
+            group_size=args.quantization_group_size, zero_point=args.quantization_zero_point,
+            kv_cache_dtype=args.kv_cache_dtype)
+        self.dtype = self.precision.compute_dtype
         path = resolve_model_path(args.model, args.revision)
         self.model_path = path
         self.model_config = cfg = load_model_config(path)
@@ -73,24 +77,19 @@ class EngineCore:
         self.weight_bytes = loaded.weight_bytes
         logger.info("loaded %s (%s, %.1f MiB) on %s as %s in %.1fs", path, cfg.architecture,
                     loaded.weight_bytes / 2**20, self.device, self.dtype, time.perf_counter() - started)
-        # On CPU float32: oneDNN on prepacked weights for every linear, and compiled kernels for
-        # decode attention, norms, rotary and SiLU. KVIK_CPU_KERNELS=0 keeps plain PyTorch.
-        kernels = None
-        if (self.device.type == "cpu" and self.dtype == torch.float32
-                and os.environ.get("KVIK_CPU_KERNELS", "1") != "0"):
-            kernels = cpu_kernels()
-            if onednn_available():
-                pack_linears_for_onednn(self.model, kernels)
-            if kernels is not None:
-                enable_cpu_fused_ops(self.model, kernels)
-        self.cpu_kernels = kernels
+        # Quantization, oneDNN packing and the compiled CPU kernels, as module swaps.
+        self.transforms = optimize_for_inference(self.model, self.device, self.dtype,
+                                                 weights=self.precision.weights)
+        self.cpu_kernels = self.transforms.kernels
+        self.weight_bytes = self.transforms.weight_bytes
+        logger.info("precision: %s (%.1f MiB of weights)", self.precision.describe(), self.weight_bytes / 2**20)
 
         num_blocks = self._num_kv_blocks() if self.uses_kv_cache else 0
         self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.runner = ModelRunner(self.model, num_blocks=num_blocks, block_size=args.block_size,
                                   num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
-                                  head_dim=cfg.head_dim, device=self.device, dtype=self.dtype,
-                                  cpu_kernels=kernels, pooling=self.pooling)
+                                  head_dim=cfg.head_dim, device=self.device,
+                                  kv_cache_dtype=self.precision.kv_cache_dtype, pooling=self.pooling)
         spec_eos = [self.tokenizer_spec.eos_token_id] if self.tokenizer_spec.eos_token_id is not None else []
         self.eos_token_ids = list(dict.fromkeys(cfg.eos_token_ids + spec_eos))
         self.scheduler = Scheduler(self.kv, args.max_num_seqs, self.max_num_batched_tokens,
@@ -139,7 +138,7 @@ class EngineCore:
     def _num_kv_blocks(self) -> int:
         cfg, args = self.model_config, self.args
         per_block = ModelRunner.bytes_per_block(cfg.num_layers, args.block_size, cfg.num_kv_heads,
-                                                cfg.head_dim, self.dtype)
+                                                cfg.head_dim, self.precision.kv_cache_dtype)
         free = free_memory_bytes(self.device)
         if args.kv_cache_memory is not None:
             budget = args.kv_cache_memory
@@ -175,7 +174,7 @@ class EngineCore:
             block_size=self.args.block_size, max_num_seqs=self.args.max_num_seqs,
             device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
             weight_bytes=self.weight_bytes, tokenizer=self.tokenizer_spec, tasks=list(self.tasks),
-            pooling=self._pooling_info())
+            pooling=self._pooling_info(), precision=self.precision.describe())
 
     def _pooling_info(self) -> PoolingInfo | None:
         if not any(task in self.tasks for task in ("embed", "classify")):

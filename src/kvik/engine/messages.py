@@ -145,6 +145,8 @@ class EngineInfo(msgspec.Struct, tag="info"):
     tokenizer: TokenizerSpec
     tasks: list[str] = msgspec.field(default_factory=lambda: ["generate"])  # see kvik.core.pooling_params
     pooling: PoolingInfo | None = None
+    # What the weights, activations and KV cache are stored in (kvik.model.quant.Precision.describe).
+    precision: str = ""
 
 
 class StartupFailed(msgspec.Struct, tag="failed"):

@@ -12,7 +12,6 @@ prompt attended on its own, and no slot mapping is needed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
@@ -20,8 +19,9 @@ from torch import nn
 from kvik.engine.device import advise_huge_pages
 from kvik.engine.scheduler import ScheduledChunk
 from kvik.model.layers.attention import AttentionMetadata, PrefillSpan
+from kvik.model.layers.kv_cache import PagedKVCache, kv_bytes_per_token
 from kvik.model.pooling import PoolingConfig, PoolSpan, finish_embeddings, pool
-from kvik.model.transforms.cpu_fused_ops import enable_decode_stack
+from kvik.model.transforms import bind_kv_cache
 
 
 @dataclass(slots=True)
@@ -45,37 +45,30 @@ class RunnerOutput:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, *, num_blocks: int, block_size: int, num_layers: int,
-                 num_kv_heads: int, head_dim: int, device: torch.device, dtype: torch.dtype,
-                 cpu_kernels: Any = None, pooling: PoolingConfig | None = None) -> None:
+                 num_kv_heads: int, head_dim: int, device: torch.device, kv_cache_dtype: torch.dtype,
+                 pooling: PoolingConfig | None = None) -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
-        self.dtype = dtype
         self.pooling = pooling
         self.has_kv_cache = num_blocks > 0
-        self.uses_cpu_kernel = False
         if not self.has_kv_cache:  # an encoder
             self.kv_cache = None
+            self.cache_binding = None
             return
-        # One allocation for every layer: (layers, k/v, kv_heads, blocks, block_size, head_dim).
-        # Zeroed so that padding slots read by the batched gather are finite (masked afterwards);
-        # huge pages requested before the zeroing touches the memory.
-        self.kv_cache = torch.empty(num_layers, 2, num_kv_heads, num_blocks, self.block_size, head_dim,
-                                    device=device, dtype=dtype)
-        advise_huge_pages(self.kv_cache)
+        # One allocation for every layer: (layers, k/v, kv_heads, blocks, block_size, head_dim), plus
+        # per-token scales for int8. Zeroed so that padding slots read by the batched gather are
+        # finite (masked afterwards); huge pages requested before the zeroing touches the memory.
+        self.kv_cache = PagedKVCache.empty(num_layers, num_kv_heads, num_blocks, self.block_size,
+                                           head_dim, kv_cache_dtype, device)
+        advise_huge_pages(self.kv_cache.data)
         self.kv_cache.zero_()
-        kernel = cpu_kernels if device.type == "cpu" and dtype == torch.float32 else None
-        self.uses_cpu_kernel = kernel is not None
-        for layer_index, attention in enumerate(model.attention_layers()):
-            attention.kv_cache = self.kv_cache[layer_index]
-            attention.decode_kernel = kernel
-        if kernel is not None:
-            enable_decode_stack(model, kernel)
+        self.cache_binding = bind_kv_cache(model, self.kv_cache)
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                         dtype: torch.dtype) -> int:
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+        return block_size * kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> RunnerOutput:
@@ -188,11 +181,7 @@ class ModelRunner:
             width = max(-(-n // size) for n in lengths)
             padded = [t[:width] + [0] * (width - len(t[:width])) for t in tables]
             meta.decode_block_tables = torch.tensor(padded, dtype=torch.long, device=device)
-            key_positions = torch.arange(width * size, device=device)
-            seq_lens = torch.tensor(lengths, device=device)
-            meta.decode_seq_lens = seq_lens
-            if not self.uses_cpu_kernel:
-                meta.decode_mask = (key_positions[None, :] < seq_lens[:, None])[:, None, None, :]
+            meta.decode_seq_lens = torch.tensor(lengths, device=device)
         offset = len(decodes)
         for chunk in prefills:
             span = PrefillSpan(offset, chunk.num_new_tokens, chunk.start, None, None)

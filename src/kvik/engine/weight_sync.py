@@ -18,7 +18,8 @@ the engine's own storage:
 - an LM head tied to the embedding and packed separately is repacked from the new embedding;
 - the prefix cache is emptied: its blocks hold keys and values computed with the old weights.
 
-Updates happen between steps: the engine must have no unfinished requests.
+Updates happen between steps: the engine must have no unfinished requests. An engine whose linears
+are quantized (WeightOnlyLinear: --quantization, or --dtype bfloat16 on the CPU) refuses updates.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from torch import nn
 
 from kvik.core.errors import InvalidRequestError, MissingWeightsError
 from kvik.engine.kv_manager import KVCacheManager
+from kvik.model.quant.linear import WeightOnlyLinear
 from kvik.model.transforms.onednn_linear import PACKING_BATCH_HINT, OneDNNLinear, _packed_floats
 
 
@@ -200,6 +202,14 @@ def update_engine_weights(engine: object, weights: Mapping[str, torch.Tensor]
     if engine.has_unfinished_requests():
         raise InvalidRequestError("update_weights: the engine still has unfinished requests; "
                                   "update between generate() calls")
+    quantized = next((m for m in engine.model.modules() if isinstance(m, WeightOnlyLinear)), None)
+    if quantized is not None:
+        # Re-quantizing in place is possible but not built: the compiled kernels hold addresses of
+        # the packed int8/int4/bfloat16 buffers, and a trainer wants its float weights served as is.
+        raise InvalidRequestError(
+            f"update_weights: this engine stores its linear weights as {quantized.kind} (--quantization "
+            "or --dtype bfloat16 on the CPU); weight sync needs float weights: start the engine "
+            "without --quantization, with --dtype float32")
     started = time.perf_counter()
     items = weights.items() if isinstance(weights, Mapping) else weights
     device, dtype = engine.device, engine.dtype

@@ -47,11 +47,19 @@ def _fingerprint(source: bytes) -> str:
     return digest.hexdigest()[:12]
 
 
-SOURCES = ("paged_attention_cpu.cpp", "fused_ops_cpu.cpp", "gemv_cpu.cpp", "decode_stack_cpu.cpp")
+SOURCES = ("paged_attention_cpu.cpp", "fused_ops_cpu.cpp", "gemv_cpu.cpp", "weight_only_cpu.cpp",
+           "decode_stack_cpu.cpp")
 HEADERS = ("kernels.h",)
 # -ffast-math lets GCC vectorise expf through glibc's vector math library; the kernels never rely on
 # infinities or NaNs (softmax subtracts the row maximum first).
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
+
+
+def cflags() -> list[str]:
+    """The compiler flags: -march=native (the instruction set of the CPU that builds and runs it),
+    or KVIK_CPU_KERNELS_MARCH (e.g. x86-64-v2: no AVX2, the portable loops; for images built on one
+    machine and run on others, and to test the portable path on an AVX2 machine)."""
+    march = os.environ.get("KVIK_CPU_KERNELS_MARCH") or "native"
+    return ["-O3", f"-march={march}", "-fopenmp", "-ffast-math"]
 
 
 def cache_root() -> Path:
@@ -61,7 +69,7 @@ def cache_root() -> Path:
 def _sources() -> tuple[str, dict[str, bytes]]:
     package = resources.files("kvik.model.layers").joinpath("csrc")
     sources = {name: package.joinpath(name).read_bytes() for name in SOURCES + HEADERS}
-    return f"kvik_cpu_kernels_{_fingerprint(b''.join(sources.values()) + ' '.join(CFLAGS).encode())}", sources
+    return f"kvik_cpu_kernels_{_fingerprint(b''.join(sources.values()) + ' '.join(cflags()).encode())}", sources
 
 
 def _import_built(name: str, path: Path) -> Any:
@@ -87,7 +95,7 @@ def _build(name: str, sources: dict[str, bytes], target: Path) -> Any:
     try:
         for file_name, content in sources.items():
             (scratch / file_name).write_bytes(content)
-        module = load(name=name, sources=[str(scratch / f) for f in SOURCES], extra_cflags=CFLAGS,
+        module = load(name=name, sources=[str(scratch / f) for f in SOURCES], extra_cflags=cflags(),
                       extra_ldflags=["-fopenmp"], build_directory=str(scratch), verbose=False)
         os.replace(scratch / f"{name}.so", target)
         return module

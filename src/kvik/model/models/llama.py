@@ -9,8 +9,6 @@ applies the LM head to the rows that need logits only.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -37,25 +35,19 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
         self.qk_norm = cfg.qk_norm
         self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
-        self.fused_ops: Any = None  # compiled CPU kernels, set by transforms.cpu_fused_ops
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         num_tokens, heads, kv_heads, dim = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)
         cos, sin = rope  # (T, D) each
-        if self.fused_ops is not None and not self.qk_norm:
-            # q and k heads sit side by side in the projection: rotate them all in one pass.
-            qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, heads + kv_heads, dim)
-            self.fused_ops.rotary_inplace(qk, cos, sin)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, heads, dim)
         k = k.view(num_tokens, kv_heads, dim)
         v = v.view(num_tokens, kv_heads, dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.fused_ops is None or self.qk_norm:
-            q, k = apply_rotary(q, k, cos.unsqueeze(1), sin.unsqueeze(1))
+        q, k = apply_rotary(q, k, cos.unsqueeze(1), sin.unsqueeze(1))
         return self.o_proj(self.attn(q, k, v, meta))
 
 
@@ -68,14 +60,9 @@ class LlamaMLP(nn.Module):
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
-        self.fused_ops: Any = None  # compiled CPU kernels, set by transforms.cpu_fused_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.fused_ops is not None:
-            activated = gate_up.new_empty(*gate_up.shape[:-1], self.intermediate_size)
-            self.fused_ops.silu_and_mul(activated, gate_up)
-            return self.down_proj(activated)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -109,19 +96,11 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        # The compiled stack of all layers for steps of up to `decode_stack_rows` decodes
-        # (transforms.cpu_fused_ops.enable_decode_stack); the modules below compute the same.
-        self.decode_stack: Any = None
-        self.decode_stack_rows = 0
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         rope = self.rotary[0].tables(positions)
-        if self.decode_stack is not None and meta.num_decodes == x.shape[0] <= self.decode_stack_rows:
-            x, residual = self.decode_stack.forward(x, *rope, meta.slot_mapping, meta.decode_block_tables,
-                                                    meta.decode_seq_lens)
-            return self.norm.forward_residual(x, residual)[0]
         residual = None
         for layer in self.layers:
             x, residual = layer(rope, x, residual, meta)

@@ -46,6 +46,7 @@ class OneDNNLinear(nn.Module):
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
         self._gemv: Any = None
         self._gemv_args: tuple[int, int, int, int] = (0, 0, 0, 0)
+        self._kernels: Any = None
 
     def enable_gemv(self, kernels: Any, layout: tuple[int, int]) -> bool:
         """Use kernels.gemv_packed for small batches if it agrees with oneDNN on this weight."""
@@ -59,13 +60,28 @@ class OneDNNLinear(nn.Module):
             logger.warning("packed GEMV disagrees with oneDNN on a %dx%d weight; not using it",
                            self.out_features, self.in_features)
             return False
-        self._gemv, self._gemv_args = kernels.gemv_packed, args
+        self._gemv, self._gemv_args, self._kernels = kernels.gemv_packed, args, kernels
         return True
 
-    def gemv_spec(self) -> tuple[int, int, int, int, torch.Tensor | None] | None:
-        """(address, out_features, in_stride, block, bias) for compiled callers of gemv_packed, or
+    def kernel_weight(self) -> Any:
+        """The compiled kernels' handle on the packed weight (for the decode stack, 1-4 rows), or
         None when the small-batch GEMV is not enabled for this weight."""
+        if self._kernels is None:
+            return None
+        address, out_features, in_stride, block = self._gemv_args
+        return self._kernels.LinearWeight.packed_float32(address, out_features, self.in_features, in_stride,
+                                                         block, self.bias)
+
+    def gemv_spec(self) -> tuple[int, int, int, int, torch.Tensor | None] | None:
+        """(address, out_features, in_stride, block, bias) of the packed layout the small-batch GEMV
+        reads (weight sync writes into it in place), or None when that GEMV is not enabled here."""
         return None if self._gemv is None else (*self._gemv_args, self.bias)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the packed weight (and bias) streamed per pass."""
+        total = torch.ops.mkldnn._nbytes(self.packed)
+        return total + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
@@ -156,9 +172,10 @@ def _probe_layout(out_features: int, in_features: int) -> tuple[int, int] | None
     return (block, in_stride) if ok else None
 
 
-def pack_linears_for_onednn(model: nn.Module, kernels: Any = None) -> int:
-    """Replace each float32 CPU nn.Linear in `model` with a OneDNNLinear; returns how many. With
-    the compiled CPU kernels, small batches use their matrix-vector kernel where the layout fits."""
+def pack_linears_for_onednn(model: nn.Module, kernels: Any = None) -> tuple[int, int]:
+    """Replace each float32 CPU nn.Linear in `model` with a OneDNNLinear. With the compiled CPU
+    kernels, small batches use their matrix-vector kernel where the layout fits. Returns (packed,
+    with the small-batch kernel)."""
     replaced = gemv = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -171,4 +188,4 @@ def pack_linears_for_onednn(model: nn.Module, kernels: Any = None) -> int:
                     layout = packed_gemv_layout(packed.out_features, packed.in_features)
                     gemv += bool(layout and packed.enable_gemv(kernels, layout))
     logger.info("packed %d linear layers for oneDNN (%d with the small-batch GEMV)", replaced, gemv)
-    return replaced
+    return replaced, gemv

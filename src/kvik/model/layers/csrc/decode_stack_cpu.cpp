@@ -1,46 +1,35 @@
-// Every decoder layer of a Llama-family model for a step of 1-4 decodes, in one call from Python.
+// Every decoder layer of a Llama-family model for a step of 1-4 decodes, in one call from Python, and
+// the Python bindings of all of kvik's CPU kernels.
 //
 // At these batch sizes a step is bound by streaming the weights, and what is not streaming is
 // overhead: run as nn.Modules, each layer spends about 60 us in Python between its kernels (module
 // calls, views, splits, allocations), 0.7 ms of a 12 ms step for the 125M reference model. This
 // chains the same kernels the modules call (kernels.h), in the same order and with the same
 // arithmetic, so its outputs match the module path exactly; the modules remain the path for prefill,
-// larger batches and every model this does not describe (Qwen3's q/k norm, GPT-2).
+// larger batches and every model this does not describe (Qwen3's q/k norm, GPT-2). Weights may be
+// oneDNN-packed float32 or any weight-only format (LinearWeight), the KV cache float32, bfloat16 or
+// int8.
 //
 // Per layer: [residual +=] x; x = rms_norm(residual) -> qkv GEMV -> rotary on q, k -> k, v into the
 // paged cache -> decode attention -> o GEMV -> residual += o; o = rms_norm(residual) -> gate_up
 // GEMV -> silu(gate) * up -> down GEMV.
 #include <torch/extension.h>
 
-#include <cstring>
+#include <memory>
 #include <vector>
 
 #include "kernels.h"
 
 namespace {
 
-struct Packed {  // a OneDNNLinear's packed weight, as kvik::gemv_packed reads it
-  int64_t address, out_features, in_stride, block;
-  c10::optional<torch::Tensor> bias;
-
-  torch::Tensor operator()(const torch::Tensor& x) const {
-    return kvik::gemv_packed(x, address, out_features, in_stride, block, bias);
-  }
-};
+using WeightPtr = std::shared_ptr<kvik::LinearWeight>;
 
 struct Layer {
   torch::Tensor input_norm, post_norm;
-  Packed qkv, o, gate_up, down;
+  WeightPtr qkv, o, gate_up, down;
   torch::Tensor key_cache, value_cache;  // (kv_heads, blocks, block_size, head_dim) each
+  c10::optional<torch::Tensor> key_scales, value_scales;  // (kv_heads, blocks, block_size), int8 only
 };
-
-Packed make_packed(const pybind11::tuple& spec) {
-  TORCH_CHECK(spec.size() == 5, "packed weight: (address, out_features, in_stride, block, bias)");
-  Packed packed{spec[0].cast<int64_t>(), spec[1].cast<int64_t>(), spec[2].cast<int64_t>(),
-                spec[3].cast<int64_t>(), c10::nullopt};
-  if (!spec[4].is_none()) packed.bias = spec[4].cast<torch::Tensor>();
-  return packed;
-}
 
 class DecodeStack {
  public:
@@ -49,14 +38,23 @@ class DecodeStack {
       : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), intermediate_(intermediate),
         eps_(eps), scale_(scale) {}
 
-  void add_layer(const torch::Tensor& input_norm, const torch::Tensor& post_norm,
-                 const pybind11::tuple& qkv, const pybind11::tuple& o, const pybind11::tuple& gate_up,
-                 const pybind11::tuple& down, const torch::Tensor& kv_cache) {
+  // kv_cache: (2, kv_heads, blocks, block_size, head_dim); kv_scales: (2, kv_heads, blocks,
+  // block_size) float16 for an int8 cache, else None.
+  void add_layer(const torch::Tensor& input_norm, const torch::Tensor& post_norm, const WeightPtr& qkv,
+                 const WeightPtr& o, const WeightPtr& gate_up, const WeightPtr& down,
+                 const torch::Tensor& kv_cache, const c10::optional<torch::Tensor>& kv_scales) {
     TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.size(1) == kv_heads_ &&
                     kv_cache.size(4) == head_dim_ && kv_cache.is_contiguous(),
                 "kv_cache must be a contiguous (2, kv_heads, blocks, block_size, head_dim) tensor");
-    layers_.push_back(Layer{input_norm, post_norm, make_packed(qkv), make_packed(o), make_packed(gate_up),
-                            make_packed(down), kv_cache[0], kv_cache[1]});
+    Layer layer{input_norm, post_norm, qkv, o, gate_up, down, kv_cache[0], kv_cache[1], c10::nullopt,
+                c10::nullopt};
+    if (kv_scales.has_value()) {
+      TORCH_CHECK(kv_scales->dim() == 4 && kv_scales->size(0) == 2 && kv_scales->is_contiguous(),
+                  "kv_scales must be a contiguous (2, kv_heads, blocks, block_size) tensor");
+      layer.key_scales = (*kv_scales)[0];
+      layer.value_scales = (*kv_scales)[1];
+    }
+    layers_.push_back(std::move(layer));
   }
 
   // x: (T, hidden) embeddings of T decode tokens; cos, sin: (T, head_dim); slots: (T,) cache slots;
@@ -70,7 +68,6 @@ class DecodeStack {
     TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.is_contiguous(), "slots must be int64");
     const int64_t tokens = embeddings.size(0);
     const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
-    const int64_t* slot = slots.data_ptr<int64_t>();
     torch::Tensor residual = embeddings.clone();
     torch::Tensor x = torch::empty_like(embeddings);
     torch::Tensor attended = torch::empty({tokens, heads_, head_dim_}, embeddings.options());
@@ -83,19 +80,22 @@ class DecodeStack {
       } else {
         kvik::fused_add_rms_norm(x, residual, layer.input_norm, eps_);
       }
-      torch::Tensor qkv = layer.qkv(x);  // (T, q + 2 kv)
+      torch::Tensor qkv = (*layer.qkv)(x);  // (T, q + 2 kv)
       torch::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({tokens, heads_ + kv_heads_, head_dim_});
       kvik::rotary_inplace(qk, cos, sin);
-      write_cache(qkv, q_size, layer.key_cache, slot, tokens);
-      write_cache(qkv, q_size + kv_size, layer.value_cache, slot, tokens);
+      torch::Tensor key = qkv.narrow(1, q_size, kv_size).view({tokens, kv_heads_, head_dim_});
+      torch::Tensor value = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads_, head_dim_});
+      torch::Tensor key_cache = layer.key_cache, value_cache = layer.value_cache;
+      kvik::write_kv(key, key_cache, layer.key_scales, slots);
+      kvik::write_kv(value, value_cache, layer.value_scales, slots);
       torch::Tensor query = qkv.narrow(1, 0, q_size).contiguous().view({tokens, heads_, head_dim_});
       kvik::decode_attention(query, layer.key_cache, layer.value_cache, block_tables, seq_lens, scale_,
-                             attended);
-      torch::Tensor o = layer.o(attended.view({tokens, q_size}));
+                             attended, layer.key_scales, layer.value_scales);
+      torch::Tensor o = (*layer.o)(attended.view({tokens, q_size}));
       kvik::fused_add_rms_norm(o, residual, layer.post_norm, eps_);
-      torch::Tensor gate_up = layer.gate_up(o);
+      torch::Tensor gate_up = (*layer.gate_up)(o);
       kvik::silu_and_mul(activated, gate_up);
-      x = layer.down(activated);
+      x = (*layer.down)(activated);
     }
     return {x, residual};
   }
@@ -103,33 +103,83 @@ class DecodeStack {
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
  private:
-  // Copy each token's kv heads (columns [offset, offset + kv_size) of qkv) into its cache slot of
-  // every head: cache is (kv_heads, blocks * block_size, head_dim) once flattened.
-  void write_cache(const torch::Tensor& qkv, int64_t offset, const torch::Tensor& cache, const int64_t* slot,
-                   int64_t tokens) const {
-    const int64_t slots_per_head = cache.size(1) * cache.size(2);
-    const float* src = qkv.data_ptr<float>();
-    float* dst = cache.data_ptr<float>();
-    const size_t bytes = head_dim_ * sizeof(float);
-    for (int64_t t = 0; t < tokens; ++t) {
-      TORCH_CHECK(slot[t] >= 0 && slot[t] < slots_per_head, "cache slot out of range");
-      const float* row = src + t * qkv.stride(0) + offset;
-      for (int64_t h = 0; h < kv_heads_; ++h)
-        std::memcpy(dst + (h * slots_per_head + slot[t]) * head_dim_, row + h * head_dim_, bytes);
-    }
-  }
-
   int64_t heads_, kv_heads_, head_dim_, intermediate_;
   double eps_, scale_;
   std::vector<Layer> layers_;
 };
 
+WeightPtr packed_float32(int64_t address, int64_t out_features, int64_t in_features, int64_t in_stride,
+                         int64_t block, const c10::optional<torch::Tensor>& bias) {
+  auto weight = std::make_shared<kvik::LinearWeight>();
+  weight->format = kvik::kPackedFloat32;
+  weight->address = address;
+  weight->out_features = out_features;
+  weight->in_features = in_features;
+  weight->in_stride = in_stride;
+  weight->block = block;
+  weight->bias = bias;
+  return weight;
+}
+
+WeightPtr weight_only(int64_t format, const torch::Tensor& data, const c10::optional<torch::Tensor>& scales,
+                      const c10::optional<torch::Tensor>& offsets, int64_t out_features, int64_t in_features,
+                      int64_t group, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(format == kvik::kBFloat16 || format == kvik::kInt8 || format == kvik::kInt4,
+              "format must be bfloat16 (1), int8 (2) or int4 (3)");
+  auto weight = std::make_shared<kvik::LinearWeight>();
+  weight->format = format;
+  weight->data = data;
+  if (scales.has_value()) weight->scales = *scales;
+  if (offsets.has_value()) weight->offsets = *offsets;
+  weight->out_features = out_features;
+  weight->in_features = in_features;
+  weight->group = group;
+  weight->bias = bias;
+  weight->block = kvik::kWeightBlock;
+  kvik::check_linear_weight(*weight);  // shapes and dtypes now, not at the first forward
+  return weight;
+}
+
 }  // namespace
 
-void register_decode_stack(pybind11::module& m) {
-  pybind11::class_<DecodeStack>(m, "DecodeStack")
-      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, double, double>())
-      .def("add_layer", &DecodeStack::add_layer)
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  m.def("decode_attention", &kvik::decode_attention,
+        "paged decode attention over a float32, bfloat16 or int8 cache (CPU)", py::arg("query"),
+        py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"), py::arg("seq_lens"),
+        py::arg("scale"), py::arg("out"), py::arg("key_scales") = py::none(),
+        py::arg("value_scales") = py::none());
+  m.def("write_kv", &kvik::write_kv, "store (tokens, kv_heads, head_dim) rows into their cache slots");
+  m.def("rms_norm", &kvik::rms_norm, "out = rms_norm(x) * weight");
+  m.def("fused_add_rms_norm", &kvik::fused_add_rms_norm, "residual += x; x = rms_norm(residual) * weight");
+  m.def("rotary_inplace", &kvik::rotary_inplace, "neox-style rotary embedding, in place");
+  m.def("silu_and_mul", &kvik::silu_and_mul, "out = silu(gate) * up");
+  m.def("gemv_packed", &kvik::gemv_packed, "y = x W^T + b for 1-4 rows of x, W in oneDNN's packed layout");
+  m.def("simd_isa", &kvik::simd_isa, "the vector instructions the weight-only kernels use");
+  m.def("set_portable_kernels", &kvik::set_portable_kernels,
+        "run the weight-only kernels' plain loops even where AVX2 is available (for tests)");
+
+  py::class_<kvik::LinearWeight, WeightPtr>(m, "LinearWeight")
+      .def_static("packed_float32", &packed_float32, "oneDNN's packed float32 weight (1-4 rows only)",
+                  py::arg("address"), py::arg("out_features"), py::arg("in_features"), py::arg("in_stride"),
+                  py::arg("block"), py::arg("bias") = py::none())
+      .def_static("weight_only", &weight_only, "a bfloat16 / int8 / int4 weight in kvik's blocked layout",
+                  py::arg("format"), py::arg("data"), py::arg("scales") = py::none(),
+                  py::arg("offsets") = py::none(), py::arg("out_features"), py::arg("in_features"),
+                  py::arg("group") = 0, py::arg("bias") = py::none())
+      .def("__call__", &kvik::LinearWeight::operator(), "y = x W^T + b for float32 (rows, in_features) x")
+      .def("dequantize_transposed", [](const kvik::LinearWeight& w, bool bfloat16) {
+             return kvik::dequantize_transposed(w, bfloat16);
+           }, py::arg("bfloat16") = false)
+      .def_readonly("format", &kvik::LinearWeight::format)
+      .def_readonly("out_features", &kvik::LinearWeight::out_features)
+      .def_readonly("in_features", &kvik::LinearWeight::in_features);
+
+  py::class_<DecodeStack>(m, "DecodeStack")
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, double, double>())
+      .def("add_layer", &DecodeStack::add_layer, py::arg("input_norm"), py::arg("post_norm"), py::arg("qkv"),
+           py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("kv_cache"),
+           py::arg("kv_scales") = py::none())
       .def("forward", &DecodeStack::forward)
       .def_property_readonly("num_layers", &DecodeStack::num_layers);
 }

@@ -6,8 +6,8 @@
 //   silu_and_mul        out = silu(gate) * up from the fused gate_up projection   (3 ops -> 1)
 // Reductions accumulate in float like PyTorch's; results agree with the PyTorch path within float
 // rounding.
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 
 #include <cmath>
 
@@ -28,7 +28,7 @@ inline float inv_rms(const float* x, int64_t n, float eps) {
 
 namespace kvik {
 
-void rms_norm(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.is_contiguous() && out.is_contiguous() && weight.is_contiguous(), "contiguous inputs");
   const int64_t n = x.size(-1), rows = x.numel() / n;
   const float* xp = x.data_ptr<float>();
@@ -45,7 +45,7 @@ void rms_norm(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& w
   });
 }
 
-void fused_add_rms_norm(torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight,
+void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
                         double eps) {
   TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && weight.is_contiguous(),
               "contiguous inputs");
@@ -69,7 +69,7 @@ void fused_add_rms_norm(torch::Tensor& x, torch::Tensor& residual, const torch::
 // qk: (T, heads, D) view whose last dimension is contiguous and whose heads are `head_stride`
 // apart, with rows `row_stride` apart (q and k heads side by side in the qkv projection output).
 // cos, sin: (T, D) contiguous, the two halves of each row equal.
-void rotary_inplace(torch::Tensor& qk, const torch::Tensor& cos, const torch::Tensor& sin) {
+void rotary_inplace(at::Tensor& qk, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(qk.stride(-1) == 1 && cos.is_contiguous() && sin.is_contiguous(), "layout");
   const int64_t tokens = qk.size(0), heads = qk.size(1), dim = qk.size(2), half = dim / 2;
   const int64_t row_stride = qk.stride(0), head_stride = qk.stride(1);
@@ -93,7 +93,7 @@ void rotary_inplace(torch::Tensor& qk, const torch::Tensor& cos, const torch::Te
   });
 }
 
-void silu_and_mul(torch::Tensor& out, const torch::Tensor& gate_up) {
+void silu_and_mul(at::Tensor& out, const at::Tensor& gate_up) {
   TORCH_CHECK(out.is_contiguous() && gate_up.is_contiguous(), "contiguous inputs");
   const int64_t inter = out.size(-1), rows = out.numel() / inter;
   const float* gp = gate_up.data_ptr<float>();
@@ -110,10 +110,3 @@ void silu_and_mul(torch::Tensor& out, const torch::Tensor& gate_up) {
 }
 
 }  // namespace kvik
-
-void register_fused_ops(pybind11::module& m) {
-  m.def("rms_norm", &kvik::rms_norm, "out = rms_norm(x) * weight");
-  m.def("fused_add_rms_norm", &kvik::fused_add_rms_norm, "residual += x; x = rms_norm(residual) * weight");
-  m.def("rotary_inplace", &kvik::rotary_inplace, "neox-style rotary embedding, in place");
-  m.def("silu_and_mul", &kvik::silu_and_mul, "out = silu(gate) * up");
-}

@@ -8,8 +8,9 @@
 // sequential stream per block, and each input element is one broadcast FMA into B accumulators.
 // Python checks the layout on the real shapes before using this (onednn_linear.py), and falls back
 // to oneDNN when it differs.
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 
@@ -66,9 +67,9 @@ namespace kvik {
 
 // weight_address: the packed buffer (torch.ops.mkldnn.data_ptr of the prepacked weight, which the
 // caller keeps alive), ceil(out_features / block) * block * in_stride floats.
-torch::Tensor gemv_packed(const torch::Tensor& x, int64_t weight_address, int64_t out_features,
-                          int64_t in_stride, int64_t block, const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32,
+at::Tensor gemv_packed(const at::Tensor& x, int64_t weight_address, int64_t out_features,
+                          int64_t in_stride, int64_t block, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
               "x must be a contiguous float32 [rows, in_features] tensor");
   const int64_t rows = x.size(0), in_features = x.size(1);
   TORCH_CHECK(in_stride >= in_features, "in_stride smaller than in_features");
@@ -77,7 +78,7 @@ torch::Tensor gemv_packed(const torch::Tensor& x, int64_t weight_address, int64_
     TORCH_CHECK(bias->is_contiguous() && bias->numel() == out_features, "bias must have out_features");
     bias_ptr = bias->data_ptr<float>();
   }
-  auto out = torch::empty({rows, out_features}, x.options());
+  auto out = at::empty({rows, out_features}, x.options());
   const auto* w = reinterpret_cast<const float*>(weight_address);
   float* o = out.data_ptr<float>();
   const float* xp = x.data_ptr<float>();
@@ -91,7 +92,3 @@ torch::Tensor gemv_packed(const torch::Tensor& x, int64_t weight_address, int64_
 }
 
 }  // namespace kvik
-
-void register_gemv(pybind11::module& m) {
-  m.def("gemv_packed", &kvik::gemv_packed, "y = x W^T + b for 1-4 rows of x, W in oneDNN's packed layout");
-}

@@ -1,24 +1,71 @@
-// kvik's CPU kernels (float32), callable from each other's translation units: the decode stack
-// (decode_stack_cpu.cpp) chains them without returning to Python between layers.
+// kvik's CPU kernels (float32 activations), callable from each other's translation units: the decode
+// stack (decode_stack_cpu.cpp) chains them without returning to Python between layers.
+//
+// Only ATen's core headers here: the kernel files that need nothing more compile in a fraction of
+// the time torch/extension.h takes; the files that register Python bindings include that themselves.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
+
+#include <cstdint>
 
 namespace kvik {
 
 // fused_ops_cpu.cpp
-void rms_norm(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weight, double eps);
-void fused_add_rms_norm(torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight, double eps);
-void rotary_inplace(torch::Tensor& qk, const torch::Tensor& cos, const torch::Tensor& sin);
-void silu_and_mul(torch::Tensor& out, const torch::Tensor& gate_up);
+void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps);
+void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
+void rotary_inplace(at::Tensor& qk, const at::Tensor& cos, const at::Tensor& sin);
+void silu_and_mul(at::Tensor& out, const at::Tensor& gate_up);
 
-// paged_attention_cpu.cpp
-void decode_attention(const torch::Tensor& query, const torch::Tensor& key_cache,
-                      const torch::Tensor& value_cache, const torch::Tensor& block_tables,
-                      const torch::Tensor& seq_lens, double scale, torch::Tensor& out);
+// paged_attention_cpu.cpp. The caches are (kv_heads, blocks, block_size, head_dim) in float32,
+// bfloat16 or int8; int8 caches carry float16 scales (kv_heads, blocks, block_size), one per token
+// and head: value = int8 * scale.
+void decode_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                      const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                      at::Tensor& out, const c10::optional<at::Tensor>& key_scales = c10::nullopt,
+                      const c10::optional<at::Tensor>& value_scales = c10::nullopt);
+// Store rows of `source` (tokens, kv_heads, head_dim; last dimension contiguous) into their cache
+// slots, converting to the cache's dtype (int8: symmetric per token and head, scale = amax / 127).
+void write_kv(const at::Tensor& source, at::Tensor& cache, const c10::optional<at::Tensor>& scales,
+              const at::Tensor& slots);
 
 // gemv_cpu.cpp
-torch::Tensor gemv_packed(const torch::Tensor& x, int64_t weight_address, int64_t out_features,
-                          int64_t in_stride, int64_t block, const c10::optional<torch::Tensor>& bias);
+at::Tensor gemv_packed(const at::Tensor& x, int64_t weight_address, int64_t out_features,
+                       int64_t in_stride, int64_t block, const c10::optional<at::Tensor>& bias);
+
+// How a linear layer's weight is held. kPackedFloat32 is oneDNN's prepacked buffer (gemv_cpu.cpp);
+// the weight-only formats use kvik's blocked layout (weight_only_cpu.cpp): blocks of kWeightBlock
+// output rows, each stored input-major so one load covers the block's outputs for one input element.
+enum WeightFormat : int64_t { kPackedFloat32 = 0, kBFloat16 = 1, kInt8 = 2, kInt4 = 3 };
+constexpr int64_t kWeightBlock = 16;
+
+struct LinearWeight {
+  int64_t format = kPackedFloat32;
+  int64_t out_features = 0, in_features = 0;
+  // kPackedFloat32: oneDNN's buffer address (kept alive by the Python module), its block and stride.
+  int64_t address = 0, in_stride = 0, block = 0;
+  // Weight-only formats: data (blocks, in_features, 16) bf16 / int8 or (blocks, in_features, 8) uint8
+  // for int4; scales (blocks * 16,) float32 for int8, (blocks, groups, 16) float16 for int4;
+  // offsets like scales for int4 with zero points (value = nibble * scale + offset), else undefined
+  // (value = (nibble - 8) * scale).
+  at::Tensor data, scales, offsets;
+  int64_t group = 0;  // int4: input elements per scale
+  c10::optional<at::Tensor> bias;
+
+  // y = x W^T + b for a float32 (rows, in_features) x. Weight-only formats dequantize in registers
+  // and stream each block of weights once for up to four rows, from cache for more.
+  at::Tensor operator()(const at::Tensor& x) const;
+};
+
+// weight_only_cpu.cpp
+void check_linear_weight(const LinearWeight& weight);  // throws unless shapes and dtypes agree
+at::Tensor weight_only_linear(const at::Tensor& x, const LinearWeight& weight);
+// The dense weight, transposed: (in_features, out_features) float32 or bfloat16, for prefill GEMMs.
+at::Tensor dequantize_transposed(const LinearWeight& weight, bool bfloat16);
+// The vector instructions the weight-only kernels use: "avx2", or "portable" (plain loops, compiled
+// for whatever -march=native offers); set_portable_kernels(true) forces the plain loops (tests).
+const char* simd_isa();
+void set_portable_kernels(bool portable);
 
 }  // namespace kvik

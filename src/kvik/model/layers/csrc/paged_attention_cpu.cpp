@@ -1,20 +1,25 @@
 // Paged attention for one query token per sequence (decode), on the CPU, reading keys and values
 // straight from the block pool: no gather copy, and no padding to the longest sequence.
 //
-// Shapes (float32, contiguous):
-//   query        (B, H, D)          one query token per sequence
-//   key_cache    (Hkv, N, bs, D)    the layer's paged keys; value_cache the same
+// Shapes (contiguous):
+//   query        (B, H, D) float32  one query token per sequence
+//   key_cache    (Hkv, N, bs, D)    the layer's paged keys, float32, bfloat16 or int8; value_cache alike
+//   key_scales   (Hkv, N, bs)       float16, int8 caches only: one scale per token and head
 //   block_tables (B, max_blocks)    int64 block ids per sequence
 //   seq_lens     (B,)               int64 tokens to attend per sequence (its own included)
-//   out          (B, H, D)
+//   out          (B, H, D) float32
 // Work is split over (sequence, kv head) pairs; each pair handles its G = H / Hkv query heads, so a
 // key or value row is loaded once for the whole group (GQA). Softmax is exact: scores first, then
-// max, exponentials and the weighted sum of values.
-#include <torch/extension.h>
+// max, exponentials and the weighted sum of values. Narrow caches are widened in registers; an int8
+// row's scale multiplies its dot product (keys) or its softmax weight (values), once per row.
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "kernels.h"
@@ -23,32 +28,39 @@ namespace {
 
 // Blocks of a sequence are scattered through the pool, so the hardware prefetcher restarts at every
 // block; asking for the next block while the current one is processed hides that latency.
-inline void prefetch_block(const float* block, int64_t floats) {
-  for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(block + i, 0, 1);
+inline void prefetch_block(const void* block, int64_t bytes) {
+  const char* p = static_cast<const char*>(block);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 1);
 }
 
-}  // namespace
+inline float widen(float v) { return v; }
+inline float widen(int8_t v) { return static_cast<float>(v); }
+inline float widen(c10::BFloat16 v) {
+  const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+  float value;
+  std::memcpy(&value, &bits, sizeof(value));
+  return value;
+}
 
-namespace kvik {
-
-void decode_attention(const torch::Tensor& query, const torch::Tensor& key_cache,
-                      const torch::Tensor& value_cache, const torch::Tensor& block_tables,
-                      const torch::Tensor& seq_lens, double scale, torch::Tensor& out) {
-  TORCH_CHECK(query.scalar_type() == torch::kFloat32, "float32 only");
-  TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous() &&
-              block_tables.is_contiguous() && seq_lens.is_contiguous() && out.is_contiguous(),
-              "inputs must be contiguous");
+template <typename T>
+void decode_attention_impl(const at::Tensor& query, const at::Tensor& key_cache,
+                           const at::Tensor& value_cache,
+                           const c10::Half* key_scales, const c10::Half* value_scales,
+                           const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                           at::Tensor& out) {
   const int64_t batch = query.size(0), heads = query.size(1), dim = query.size(2);
   const int64_t kv_heads = key_cache.size(0), num_blocks = key_cache.size(1);
   const int64_t block_size = key_cache.size(2), max_blocks = block_tables.size(1);
   const int64_t group = heads / kv_heads;
+  const int64_t head_slots = num_blocks * block_size;
   const float* q = query.data_ptr<float>();
-  const float* kc = key_cache.data_ptr<float>();
-  const float* vc = value_cache.data_ptr<float>();
+  const T* kc = static_cast<const T*>(key_cache.data_ptr());
+  const T* vc = static_cast<const T*>(value_cache.data_ptr());
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   float* o = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
+  const int64_t block_bytes = block_size * dim * static_cast<int64_t>(sizeof(T));
 
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
@@ -56,26 +68,32 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& key_cache
     for (int64_t pair = begin; pair < end; ++pair) {
       const int64_t b = pair / kv_heads, kvh = pair % kv_heads;
       const int64_t len = lens[b];
+      TORCH_CHECK(len > 0 && (len + block_size - 1) / block_size <= max_blocks, "seq_lens out of range");
       const float* qg = q + (b * heads + kvh * group) * dim;  // (G, D) queries of this group
-      const float* k_head = kc + kvh * num_blocks * block_size * dim;
-      const float* v_head = vc + kvh * num_blocks * block_size * dim;
+      const T* k_head = kc + kvh * head_slots * dim;
+      const T* v_head = vc + kvh * head_slots * dim;
+      const c10::Half* ks_head = key_scales ? key_scales + kvh * head_slots : nullptr;
+      const c10::Half* vs_head = value_scales ? value_scales + kvh * head_slots : nullptr;
       const int64_t* table = tables + b * max_blocks;
       scores.assign(group * len, 0.f);
       const int64_t used_blocks = (len + block_size - 1) / block_size;
       // Pass 1: scores (G, len), block by block (a block of one head is contiguous in memory).
       for (int64_t blk = 0; blk < used_blocks; ++blk) {
-        const float* kb = k_head + table[blk] * block_size * dim;
-        if (blk + 1 < used_blocks) prefetch_block(k_head + table[blk + 1] * block_size * dim, block_size * dim);
+        TORCH_CHECK(table[blk] >= 0 && table[blk] < num_blocks, "block id out of range");
+        const T* kb = k_head + table[blk] * block_size * dim;
+        if (blk + 1 < used_blocks) prefetch_block(k_head + table[blk + 1] * block_size * dim, block_bytes);
         const int64_t first = blk * block_size;
         const int64_t count = std::min(block_size, len - first);
         for (int64_t j = 0; j < count; ++j) {
-          const float* k = kb + j * dim;
+          const T* k = kb + j * dim;
+          const float row_scale =
+              fscale * (ks_head ? static_cast<float>(ks_head[table[blk] * block_size + j]) : 1.f);
           for (int64_t g = 0; g < group; ++g) {
             const float* qv = qg + g * dim;
             float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < dim; ++d) dot += qv[d] * k[d];
-            scores[g * len + first + j] = dot * fscale;
+            for (int64_t d = 0; d < dim; ++d) dot += qv[d] * widen(k[d]);
+            scores[g * len + first + j] = dot * row_scale;
           }
         }
       }
@@ -98,17 +116,18 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& key_cache
       // Pass 2: weighted sum of value rows, block by block.
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t blk = 0; blk < used_blocks; ++blk) {
-        const float* vb = v_head + table[blk] * block_size * dim;
-        if (blk + 1 < used_blocks) prefetch_block(v_head + table[blk + 1] * block_size * dim, block_size * dim);
+        const T* vb = v_head + table[blk] * block_size * dim;
+        if (blk + 1 < used_blocks) prefetch_block(v_head + table[blk + 1] * block_size * dim, block_bytes);
         const int64_t first = blk * block_size;
         const int64_t count = std::min(block_size, len - first);
         for (int64_t j = 0; j < count; ++j) {
-          const float* v = vb + j * dim;
+          const T* v = vb + j * dim;
+          const float row_scale = vs_head ? static_cast<float>(vs_head[table[blk] * block_size + j]) : 1.f;
           for (int64_t g = 0; g < group; ++g) {
-            const float w = scores[g * len + first + j];
+            const float w = scores[g * len + first + j] * row_scale;
             float* a = acc.data() + g * dim;
 #pragma omp simd
-            for (int64_t d = 0; d < dim; ++d) a[d] += w * v[d];
+            for (int64_t d = 0; d < dim; ++d) a[d] += w * widen(v[d]);
           }
         }
       }
@@ -118,15 +137,98 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& key_cache
   });
 }
 
-}  // namespace kvik
-
-void register_fused_ops(pybind11::module& m);  // fused_ops_cpu.cpp
-void register_gemv(pybind11::module& m);       // gemv_cpu.cpp
-void register_decode_stack(pybind11::module& m);  // decode_stack_cpu.cpp
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &kvik::decode_attention, "paged decode attention (CPU, float32)");
-  register_fused_ops(m);
-  register_gemv(m);
-  register_decode_stack(m);
+const c10::Half* scales_of(const at::Tensor& cache, const c10::optional<at::Tensor>& scales,
+                           const char* name) {
+  if (cache.scalar_type() != at::kChar) return nullptr;
+  TORCH_CHECK(scales.has_value() && scales->defined() && scales->scalar_type() == at::kHalf &&
+                  scales->is_contiguous() && scales->numel() * cache.size(-1) == cache.numel(),
+              name, ": an int8 cache needs float16 scales, one per token and head");
+  return scales->data_ptr<c10::Half>();
 }
+
+}  // namespace
+
+namespace kvik {
+
+void decode_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                      const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                      at::Tensor& out, const c10::optional<at::Tensor>& key_scales,
+                      const c10::optional<at::Tensor>& value_scales) {
+  TORCH_CHECK(query.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "float32 queries");
+  TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous() &&
+              block_tables.is_contiguous() && seq_lens.is_contiguous() && out.is_contiguous(),
+              "inputs must be contiguous");
+  TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type(), "keys and values share a dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
+              "block tables and lengths are int64");
+  TORCH_CHECK(query.size(1) % key_cache.size(0) == 0 && query.size(2) == key_cache.size(3),
+              "query heads must be a multiple of the cache's, with the same head_dim");
+  const c10::Half* ks = scales_of(key_cache, key_scales, "key_scales");
+  const c10::Half* vs = scales_of(value_cache, value_scales, "value_scales");
+  switch (key_cache.scalar_type()) {
+    case at::kFloat:
+      return decode_attention_impl<float>(query, key_cache, value_cache, nullptr, nullptr, block_tables,
+                                          seq_lens, scale, out);
+    case at::kBFloat16:
+      return decode_attention_impl<c10::BFloat16>(query, key_cache, value_cache, nullptr, nullptr,
+                                                  block_tables, seq_lens, scale, out);
+    case at::kChar:
+      return decode_attention_impl<int8_t>(query, key_cache, value_cache, ks, vs, block_tables, seq_lens,
+                                           scale, out);
+    default:
+      TORCH_CHECK(false, "KV cache dtype must be float32, bfloat16 or int8, got ", key_cache.scalar_type());
+  }
+}
+
+void write_kv(const at::Tensor& source, at::Tensor& cache, const c10::optional<at::Tensor>& scales,
+              const at::Tensor& slots) {
+  TORCH_CHECK(source.scalar_type() == at::kFloat && source.dim() == 3 && source.stride(2) == 1,
+              "source must be float32 (tokens, kv_heads, head_dim) with contiguous rows");
+  TORCH_CHECK(cache.dim() == 4 && cache.is_contiguous() && cache.size(0) == source.size(1) &&
+                  cache.size(3) == source.size(2),
+              "cache must be a contiguous (kv_heads, blocks, block_size, head_dim) tensor");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == source.size(0),
+              "one int64 slot per token");
+  const int64_t tokens = source.size(0), kv_heads = source.size(1), dim = source.size(2);
+  const int64_t head_slots = cache.size(1) * cache.size(2);
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const float* src = source.data_ptr<float>();
+  c10::Half* scale_out = scales_of(cache, scales, "scales") ? scales->data_ptr<c10::Half>() : nullptr;
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < head_slots, "cache slot out of range");
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const float* row = src + t * source.stride(0) + h * source.stride(1);
+      const int64_t at = h * head_slots + slot[t];
+      switch (cache.scalar_type()) {
+        case at::kFloat:
+          std::memcpy(cache.data_ptr<float>() + at * dim, row, dim * sizeof(float));
+          break;
+        case at::kBFloat16: {
+          c10::BFloat16* dst = cache.data_ptr<c10::BFloat16>() + at * dim;
+          for (int64_t d = 0; d < dim; ++d) dst[d] = c10::BFloat16(row[d]);  // round to nearest even
+          break;
+        }
+        case at::kChar: {
+          // The same arithmetic as the PyTorch path (kvik.model.layers.kv_cache.quantize_kv):
+          // scale = float16(amax / 127), values = round(x * (1 / scale)) clamped to [-127, 127].
+          float amax = 0.f;
+          for (int64_t d = 0; d < dim; ++d) amax = std::max(amax, std::fabs(row[d]));
+          const c10::Half stored(amax * (1.f / 127.f));
+          const float row_scale = static_cast<float>(stored);
+          const float inverse = row_scale > 0.f ? 1.f / row_scale : 0.f;
+          int8_t* dst = cache.data_ptr<int8_t>() + at * dim;
+          for (int64_t d = 0; d < dim; ++d) {
+            const float v = std::nearbyint(row[d] * inverse);
+            dst[d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, v)));
+          }
+          scale_out[at] = stored;
+          break;
+        }
+        default:
+          TORCH_CHECK(false, "KV cache dtype must be float32, bfloat16 or int8, got ", cache.scalar_type());
+      }
+    }
+  }
+}
+
+}  // namespace kvik

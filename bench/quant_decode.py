@@ -1,0 +1,50 @@
+#!/usr/bin/env python
+"""Weight formats (float32, bfloat16, int8, int4) and KV cache dtypes side by side, in one run.
+
+    python bench/quant_decode.py                            # the 125M reference model, 3 rounds
+    python bench/quant_decode.py --rounds 2 --decode-tokens 64
+    python bench/quant_decode.py --quality-model DIR        # + KV agreement on a trained model
+
+Single-stream decode tok/s and bytes per token as a fraction of the paired read bandwidth, 512-token
+prompt tok/s, ratios to float32; KV tokens per GiB and concurrent 1k-token sequences at a fixed
+budget. Writes the reference model (`kvik make-model --size bench`) on first use; the quality model
+defaults to the trained Shakespeare demo (`kvik train demo`) when there is one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvik.bench.quant import WEIGHT_FORMATS, QuantBenchConfig, run
+from kvik.cli.bench import reference_model_path
+from kvik.core.config import parse_bytes
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="model directory (default: the 125M reference model)")
+    parser.add_argument("--formats", default=",".join(WEIGHT_FORMATS), help="weight formats, comma-separated")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--decode-tokens", type=int, default=128)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--kv-budget", type=parse_bytes, default=2**30, help="KV budget for the capacity figure")
+    parser.add_argument("--quality-model", default=None,
+                        help="trained model for KV agreement (default: the Shakespeare demo if trained)")
+    parser.add_argument("--json", default="bench-results/quant.json", help="write the results here")
+    args = parser.parse_args(argv)
+    quality = args.quality_model
+    if quality is None:
+        from kvik.train.demo import trained_demo_model_path
+
+        demo = trained_demo_model_path()
+        quality = str(demo) if demo else None
+    config = QuantBenchConfig(model=args.model or reference_model_path(), formats=tuple(args.formats.split(",")),
+                              rounds=args.rounds, decode_tokens=args.decode_tokens, prompt_len=args.prompt_len,
+                              kv_budget=args.kv_budget, quality_model=quality, out=args.json)
+    run(config)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

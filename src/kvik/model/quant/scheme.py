@@ -1,0 +1,113 @@
+"""Which numeric format a model's linear weights are held in, and where the arithmetic happens."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from kvik.core.config import QUANTIZATIONS as QUANTIZATION_METHODS
+from kvik.core.errors import ConfigError
+
+from kvik.model.layers.kv_cache import kv_storage_dtype
+from kvik.model.quant.reference import INT4_GROUP_SIZES
+
+logger = logging.getLogger("kvik.model")
+
+WEIGHT_KINDS = ("bfloat16", "int8", "int4")
+
+
+@dataclass(frozen=True, slots=True)
+class QuantScheme:
+    """Weight-only storage of every linear layer: bfloat16, int8 per output channel, or int4 per group.
+
+    The LM head of an int4 model is int8 by default (`lm_head_kind`): it is a single matrix whose
+    errors reach every logit directly, and at int8 it costs a few percent more bytes per token."""
+
+    kind: str
+    group_size: int = 64  # int4: inputs per scale (32, 64 or 128)
+    zero_point: bool = False  # int4: asymmetric, with a zero point per group
+    lm_head_kind: str | None = None  # None: int8 for int4 models, else `kind`
+
+    def __post_init__(self) -> None:
+        if self.kind not in WEIGHT_KINDS:
+            raise ConfigError(f"weight format {self.kind!r} is not one of {', '.join(WEIGHT_KINDS)}")
+        if self.kind == "int4" and self.group_size not in INT4_GROUP_SIZES:
+            raise ConfigError(f"quantization_group_size: int4 group size {self.group_size} is not one of "
+                              f"{INT4_GROUP_SIZES}")
+        if self.lm_head_kind is not None and self.lm_head_kind not in WEIGHT_KINDS:
+            raise ConfigError(f"LM head format {self.lm_head_kind!r} is not one of {', '.join(WEIGHT_KINDS)}")
+
+    def kind_for(self, is_lm_head: bool) -> str:
+        if is_lm_head:
+            return self.lm_head_kind or ("int8" if self.kind == "int4" else self.kind)
+        return self.kind
+
+    def describe(self) -> str:
+        if self.kind != "int4":
+            return self.kind
+        zero = "zero points" if self.zero_point else "symmetric"
+        return f"int4 (groups of {self.group_size}, {zero}; LM head {self.kind_for(True)})"
+
+
+@dataclass(frozen=True, slots=True)
+class Precision:
+    """What a model computes in and stores: activations, linear weights, KV cache."""
+
+    compute_dtype: torch.dtype  # activations, norms, embeddings
+    weights: QuantScheme | None  # None: linear weights in compute_dtype
+    kv_cache_dtype: torch.dtype
+    native_bf16: bool = False  # CPU with bfloat16 dot products (AVX512-BF16 / AMX)
+
+    def describe(self) -> str:
+        weights = self.weights.describe() if self.weights else str(self.compute_dtype).removeprefix("torch.")
+        return (f"weights {weights}, activations {str(self.compute_dtype).removeprefix('torch.')}, "
+                f"KV cache {str(self.kv_cache_dtype).removeprefix('torch.')}")
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX-BF16), read from
+    /proc/cpuinfo at run time (False where that file does not exist)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = next((line for line in cpuinfo if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_precision(device: torch.device, dtype: torch.dtype, *, quantization: str | None = None,
+                      group_size: int = 64, zero_point: bool = False,
+                      kv_cache_dtype: str = "auto") -> Precision:
+    """The precision a model runs in on `device` when the user asked for `dtype` and `quantization`.
+
+    On the CPU, activations stay float32 and narrower formats apply to the linear weights only: the
+    bytes streamed per token are what bounds decoding, and every CPU can widen bfloat16, int8 and
+    int4 to float32 in registers. `--dtype bfloat16` therefore stores bfloat16 weights on any CPU;
+    where the CPU has native bfloat16 arithmetic, prefill GEMMs also run in bfloat16 (oneDNN), and
+    elsewhere in float32 (logged). On CUDA the model computes in `dtype` and quantized weights are
+    dequantized by plain PyTorch ops. The KV cache follows `dtype` unless `kv_cache_dtype` says
+    otherwise."""
+    if quantization is not None and quantization not in QUANTIZATION_METHODS:
+        raise ConfigError(f"quantization {quantization!r} is not one of {', '.join(QUANTIZATION_METHODS)}")
+    kv_dtype = kv_storage_dtype(kv_cache_dtype, dtype)
+    weights = None
+    if quantization is not None:
+        weights = QuantScheme(quantization, group_size=group_size, zero_point=zero_point)
+    compute = dtype
+    native = False
+    if device.type == "cpu" and dtype == torch.bfloat16:
+        compute = torch.float32
+        native = cpu_has_native_bf16()
+        weights = weights or QuantScheme("bfloat16")
+        if native:
+            logger.info("bfloat16 on the CPU: weights in bfloat16, prefill GEMMs in bfloat16 "
+                        "(the CPU has AVX512-BF16/AMX), activations and decode arithmetic in float32")
+        else:
+            logger.info("bfloat16 on the CPU: this CPU has no bfloat16 arithmetic (no avx512_bf16 or "
+                        "amx_bf16 in /proc/cpuinfo), so weights are stored in bfloat16 and widened to "
+                        "float32 in registers; all arithmetic is float32")
+    return Precision(compute, weights, kv_dtype, native)

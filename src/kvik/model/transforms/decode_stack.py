@@ -1,0 +1,92 @@
+"""The compiled decode stack as a wrapper module: steps of 1-4 decodes run every layer in one call.
+
+Such steps stream the weights at memory speed, and the Python between the layers' kernels is most of
+the rest (csrc/decode_stack_cpu.cpp). The wrapper takes the place of a Llama-family model's
+LlamaModel and hands every other step to it unchanged; the stack chains the same kernels the swapped
+modules call, so both paths compute the same outputs.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvik.model.layers.attention import AttentionMetadata
+from kvik.model.models.llama import LlamaForCausalLM, LlamaModel
+from kvik.model.transforms.cpu_modules import CpuPagedAttention, FusedLlamaAttention, FusedLlamaMLP
+
+logger = logging.getLogger("kvik.model")
+
+# The stack's projections run the small-batch kernels, written for up to four rows.
+DECODE_STACK_MAX_ROWS = 4
+
+
+class DecodeStackModel(nn.Module):
+    """Wraps a LlamaModel; `decode_stack` is the compiled stack of all its layers."""
+
+    def __init__(self, inner: LlamaModel, decode_stack: Any, max_rows: int = DECODE_STACK_MAX_ROWS) -> None:
+        super().__init__()
+        # The body's children are adopted under their own names, so parameter names stay LlamaModel's
+        # (weight sync and state_dict address `model.layers.0...`); the body itself is held outside
+        # the module tree for the steps the stack does not take.
+        for name, child in inner.named_children():
+            self.add_module(name, child)
+        object.__setattr__(self, "inner", inner)
+        self.decode_stack = decode_stack
+        self.decode_stack_rows = max_rows
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        if not meta.num_decodes == input_ids.shape[0] <= self.decode_stack_rows:
+            return self.inner(input_ids, positions, meta)
+        inner = self.inner
+        x = inner.embed_tokens(input_ids)
+        cos, sin = inner.rotary[0].tables(positions)
+        x, residual = self.decode_stack.forward(x, cos, sin, meta.slot_mapping, meta.decode_block_tables,
+                                                meta.decode_seq_lens)
+        return inner.norm.forward_residual(x, residual)[0]
+
+
+def unwrap_decode_stack(model: nn.Module) -> None:
+    """Put the plain LlamaModel back (before binding a new cache)."""
+    if isinstance(model, LlamaForCausalLM) and isinstance(model.model, DecodeStackModel):
+        model.model = model.model.inner
+
+
+def wrap_decode_stack(model: nn.Module) -> bool:
+    """Wrap a Llama-family model's body in a DecodeStackModel, once its KV cache is bound. Only where
+    the stack computes exactly what the modules do: the swapped attention (no q/k norm, so not
+    Qwen3) and MLP, every projection on a small-batch kernel, the compiled decode attention."""
+    if not isinstance(model, LlamaForCausalLM):
+        return False
+    body = model.model.inner if isinstance(model.model, DecodeStackModel) else model.model
+    cfg = model.config
+    layers = body.layers
+    first = layers[0]
+    if not isinstance(first.self_attn, FusedLlamaAttention) or not isinstance(first.self_attn.attn,
+                                                                              CpuPagedAttention):
+        return False
+    kernels = first.self_attn.attn.kernels
+    if not hasattr(kernels, "DecodeStack"):
+        return False
+    stack = kernels.DecodeStack(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
+                                cfg.norm_eps, first.self_attn.attn.scale)
+    for layer in layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        if not (isinstance(attention, FusedLlamaAttention) and isinstance(mlp, FusedLlamaMLP)
+                and isinstance(attention.attn, CpuPagedAttention) and attention.attn.kv_cache is not None):
+            return False
+        projections = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        weights = [getattr(p, "kernel_weight", lambda: None)() for p in projections]
+        if any(w is None for w in weights):
+            return False
+        cache = attention.attn.kv_cache
+        stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, *weights,
+                        cache.data, cache.scales)
+    model.model = DecodeStackModel(body, stack)
+    logger.info("decode steps of 1-%d sequences run all %d layers in one compiled call",
+                DECODE_STACK_MAX_ROWS, stack.num_layers)
+    return True

@@ -1,0 +1,186 @@
+"""The compiled weight-only and KV-cache kernels against plain PyTorch on the same numbers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvik.model.layers.cpu_kernels import cpu_kernels
+from kvik.model.layers.kv_cache import PagedKVCache, quantize_kv
+from kvik.model.quant.linear import WeightOnlyLinear
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    module = cpu_kernels()
+    if module is None:
+        pytest.skip("no C++ toolchain: the PyTorch path is used instead")
+    return module
+
+
+FORMATS = [("bfloat16", 0, False), ("int8", 0, False), ("int4", 32, False), ("int4", 64, True),
+           ("int4", 128, False)]
+
+
+@pytest.fixture(params=["vector", "portable"])
+def code_path(kernels, request):
+    """The AVX2 kernels (where this CPU has AVX2) and the plain loops every other CPU runs."""
+    kernels.set_portable_kernels(request.param == "portable")
+    yield request.param
+    kernels.set_portable_kernels(False)
+
+
+@pytest.mark.parametrize("kind,group,zero_point", FORMATS)
+@pytest.mark.parametrize("out_features,in_features,bias", [(1280, 768, False), (100, 200, True), (16, 64, True)])
+def test_weight_only_linear_matches_torch(kernels, code_path, kind, group, zero_point, out_features,
+                                          in_features, bias):
+    """Rows 1-4 (decode), 5-16 (the small-batch kernel in passes of four), 17+ (the widened GEMM):
+    all equal F.linear on the dequantized weight, computed by PyTorch from the packed buffers."""
+    torch.manual_seed(out_features + in_features)
+    linear = torch.nn.Linear(in_features, out_features, bias=bias)
+    layer = WeightOnlyLinear.from_linear(linear, kind, group or 64, zero_point)
+    reference = layer.dequantize()  # PyTorch's own unpacking and dequantization
+    layer.enable_kernels(kernels)
+    widened = layer.kernel_weight().dequantize_transposed()  # the kernel's
+    assert torch.allclose(widened.t(), reference, rtol=1e-6, atol=1e-7)
+    with torch.inference_mode():
+        for rows in (1, 2, 3, 4, 5, 7, 16, 17, 64):
+            x = torch.randn(rows, in_features)
+            expected = F.linear(x, reference, layer.bias)
+            assert torch.allclose(layer(x), expected, rtol=1e-4, atol=1e-4), rows
+        x = torch.randn(2, 3, in_features)  # any leading shape
+        assert layer(x).shape == (2, 3, out_features)
+
+
+def test_bfloat16_gemm_path_matches(kernels):
+    """The path CPUs with bfloat16 arithmetic take for prefill (forced here: slower, same result
+    within bfloat16's rounding of the activations)."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 80)
+    layer = WeightOnlyLinear.from_linear(linear, "bfloat16")
+    layer.enable_kernels(kernels, bf16_gemm=True)
+    x = torch.randn(40, 96)
+    with torch.inference_mode():
+        expected = F.linear(x, layer.dequantize(), layer.bias)
+        assert torch.allclose(layer(x), expected, rtol=2e-2, atol=2e-2)
+
+
+def test_kernel_rejects_inconsistent_weights(kernels):
+    layer = WeightOnlyLinear.from_linear(torch.nn.Linear(64, 32), "int4", 32)
+    with pytest.raises(RuntimeError, match="scales"):
+        kernels.LinearWeight.weight_only(3, layer.data, layer.scales[:1], None, 32, 64, 32, None)
+    with pytest.raises(RuntimeError, match="elements"):
+        kernels.LinearWeight.weight_only(2, layer.data, layer.scales, None, 32, 65, 0, None)
+
+
+def _cache(dtype, kv_heads, num_blocks, block_size, dim, generator) -> PagedKVCache:
+    cache = PagedKVCache.empty(1, kv_heads, num_blocks, block_size, dim, dtype, torch.device("cpu")).layer(0)
+    cache.data.zero_()
+    if cache.scales is not None:
+        cache.scales.zero_()
+    keys = torch.randn(num_blocks * block_size, kv_heads, dim, generator=generator) * 2
+    values = torch.randn(num_blocks * block_size, kv_heads, dim, generator=generator)
+    cache.write(keys, values, torch.arange(num_blocks * block_size))
+    return cache
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("heads,kv_heads,block_size", [(12, 4, 16), (8, 1, 8)])
+def test_decode_attention_reads_narrow_caches(kernels, dtype, heads, kv_heads, block_size):
+    """The kernel on a bfloat16 or int8 cache equals SDPA on the same cache dequantized by PyTorch."""
+    generator = torch.Generator().manual_seed(heads)
+    dim, num_blocks, batch = 64, 64, 5
+    cache = _cache(dtype, kv_heads, num_blocks, block_size, dim, generator)
+    lengths = torch.tensor([1, block_size, block_size + 1, 3 * block_size - 1, 40])
+    width = int((lengths.max() + block_size - 1) // block_size)
+    tables = torch.randperm(num_blocks, generator=generator)[:batch * width].view(batch, width)
+    query = torch.randn(batch, heads, dim, generator=generator)
+    out = torch.empty_like(query)
+    scales = (None, None) if cache.scales is None else (cache.scales[0], cache.scales[1])
+    kernels.decode_attention(query, cache.data[0], cache.data[1], tables, lengths, dim**-0.5, out, *scales)
+
+    keys, values = cache.gather(0, tables, torch.float32), cache.gather(1, tables, torch.float32)
+    mask = (torch.arange(width * block_size)[None, :] < lengths[:, None])[:, None, None, :]
+    expected = F.scaled_dot_product_attention(query.unsqueeze(2), keys, values, attn_mask=mask,
+                                              scale=dim**-0.5, enable_gqa=heads != kv_heads).squeeze(2)
+    assert torch.allclose(out, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_compiled_cache_write_equals_pytorch_write(kernels, dtype):
+    """Both paths store the same bytes, so a sequence written by one and read by the other (the
+    decode stack and the module path share a cache) sees no difference."""
+    generator = torch.Generator().manual_seed(1)
+    rows = torch.randn(6, 2, 64, generator=generator) * 3
+    rows[2, 1] = 0.0  # an all-zero head: scale 0
+    slots = torch.tensor([0, 5, 9, 17, 30, 31])
+    torch_cache = PagedKVCache.empty(1, 2, 4, 8, 64, dtype, torch.device("cpu")).layer(0).zero_()
+    compiled = PagedKVCache.empty(1, 2, 4, 8, 64, dtype, torch.device("cpu")).layer(0).zero_()
+    torch_cache.write(rows, -rows, slots)
+    scales = (None, None) if compiled.scales is None else (compiled.scales[0], compiled.scales[1])
+    kernels.write_kv(rows, compiled.data[0], scales[0], slots)
+    kernels.write_kv(-rows, compiled.data[1], scales[1], slots)
+    assert torch.equal(torch_cache.data, compiled.data)
+    if dtype == torch.int8:
+        assert torch.equal(torch_cache.scales, compiled.scales)
+
+
+def test_int8_kv_round_trip():
+    rows = torch.randn(10, 4, 64) * torch.logspace(-3, 2, 10)[:, None, None]  # very different ranges
+    quantized, scales = quantize_kv(rows)
+    assert quantized.dtype == torch.int8 and scales.dtype == torch.float16 and scales.shape == (10, 4)
+    restored = quantized.float() * scales.float()[..., None]
+    step = scales.float()[..., None]
+    assert torch.all((restored - rows).abs() <= step / 2 * 1.01)
+    assert torch.all(quantized.abs().amax(-1) >= 126)  # each row uses its full range
+
+
+def test_the_kernels_use_what_this_cpu_offers(kernels):
+    """Built for the CPU that runs them: AVX2 code exactly where /proc/cpuinfo lists avx2, fma and
+    f16c (with a note on AVX-512 CPUs), the plain loops elsewhere or when built for another target."""
+    import os
+
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = set(next((line for line in cpuinfo if line.startswith("flags")), "").split())
+    except OSError:
+        pytest.skip("no /proc/cpuinfo")
+    isa = kernels.simd_isa()
+    if os.environ.get("KVIK_CPU_KERNELS_MARCH") not in (None, "", "native"):
+        assert isa in ("portable", "avx2", "avx2 (on an AVX-512 CPU)")
+    elif {"avx2", "fma", "f16c"} <= flags:
+        assert isa == ("avx2 (on an AVX-512 CPU)" if "avx512f" in flags else "avx2")
+    else:
+        assert isa == "portable"
+
+
+def test_kernel_sources_compile_for_a_cpu_without_avx2(tmp_path):
+    """The kernels are built with -march=native; on a CPU without AVX2/FMA/F16C the intrinsics are
+    compiled out and the plain loops (tested above as "portable") remain. Every source that uses
+    intrinsics must compile that way: a syntax-only pass for x86-64-v2 (SSE4.2, no AVX), seconds
+    rather than a build.
+    (KVIK_CPU_KERNELS_MARCH=x86-64-v2 kvik build-kernels builds and loads such a library for real.)"""
+    import platform
+    import shutil
+    import subprocess
+    import sysconfig
+    from importlib import resources
+
+    from torch.utils.cpp_extension import include_paths
+
+    from kvik.model.layers.cpu_kernels import SOURCES
+
+    compiler = shutil.which("c++") or shutil.which("g++")
+    if compiler is None or platform.machine() != "x86_64":
+        pytest.skip("needs an x86-64 C++ compiler")
+    csrc = resources.files("kvik.model.layers").joinpath("csrc")
+    includes = [f"-I{path}" for path in include_paths()] + [f"-I{csrc}", f"-I{sysconfig.get_paths()['include']}"]
+    with_intrinsics = [name for name in SOURCES if "immintrin.h" in csrc.joinpath(name).read_text()]
+    assert with_intrinsics, "no source includes immintrin.h: update this test"
+    for source in with_intrinsics:
+        result = subprocess.run([compiler, "-std=c++20", "-fsyntax-only", "-march=x86-64-v2", "-fopenmp",
+                                 "-DTORCH_EXTENSION_NAME=kvik_syntax_check", "-DTORCH_API_INCLUDE_EXTENSION_H",
+                                 *includes, str(csrc.joinpath(source))],
+                                capture_output=True, text=True, cwd=tmp_path)
+        assert result.returncode == 0, f"{source} does not compile without AVX2:\n{result.stderr[-3000:]}"

@@ -1,0 +1,151 @@
+"""The inference passes as module swaps from one entry point, and the engine running every weight and
+KV format: the compiled CPU path and plain PyTorch compute the same model (token for token)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvik import LLM, SamplingParams
+from kvik.core.config import EngineArgs
+from kvik.core.errors import ConfigError
+from kvik.model.layers.attention import PagedAttention
+from kvik.model.layers.kv_cache import PagedKVCache
+from kvik.model.layers.norm import RMSNorm
+from kvik.model.loader import load_model, load_model_config
+from kvik.model.quant import QuantScheme, WeightOnlyLinear
+from kvik.model.transforms import bind_kv_cache, optimize_for_inference
+from kvik.model.transforms.cpu_modules import CpuPagedAttention, FusedLlamaAttention, FusedRMSNorm
+from kvik.model.transforms.decode_stack import DecodeStackModel
+
+CPU = torch.device("cpu")
+
+
+def loaded(path):
+    cfg = load_model_config(path)
+    return load_model(path, cfg, CPU, torch.float32, show_progress=False).model, cfg
+
+
+def cache_for(cfg, dtype=torch.float32) -> PagedKVCache:
+    return PagedKVCache.empty(cfg.num_layers, cfg.num_kv_heads, 16, 4, cfg.head_dim, dtype, CPU).zero_()
+
+
+def test_passes_replace_modules_and_bind_the_decode_stack(model_dir_factory):
+    model, cfg = loaded(model_dir_factory("llama"))
+    report = optimize_for_inference(model, CPU, torch.float32, weights=QuantScheme("int4", group_size=32))
+    if report.kernels is None:
+        pytest.skip("no C++ toolchain")
+    layer = model.model.layers[0]
+    assert isinstance(layer.input_layernorm, FusedRMSNorm) and isinstance(layer.self_attn, FusedLlamaAttention)
+    assert isinstance(layer.self_attn.attn, CpuPagedAttention)
+    assert isinstance(layer.self_attn.qkv_proj, WeightOnlyLinear) and layer.self_attn.qkv_proj.kind == "int4"
+    assert model.lm_head.kind == "int8"  # the int4 scheme keeps the LM head at int8
+    # 2 layers x (qkv, o, gate_up, down) + LM head; no float32 linear is left to pack.
+    assert report.quantized_linears == 9 and report.packed_linears == 0
+    assert report.kernel_isa in ("avx2", "avx2 (on an AVX-512 CPU)", "portable")
+    assert report.linear_weight_bytes < sum(m.in_features * m.out_features * 4 for m in model.modules()
+                                            if isinstance(m, WeightOnlyLinear)) / 4
+    binding = bind_kv_cache(model, cache_for(cfg, torch.int8))
+    assert binding.compiled_attention and binding.decode_stack
+    assert isinstance(model.model, DecodeStackModel) and model.model.decode_stack.num_layers == 2
+    # Binding again (a new cache) rebuilds the stack instead of wrapping it twice.
+    bind_kv_cache(model, cache_for(cfg))
+    assert isinstance(model.model.inner, torch.nn.Module) and not isinstance(model.model.inner, DecodeStackModel)
+
+
+def test_without_kernels_the_model_is_untouched_but_quantized(model_dir_factory):
+    model, cfg = loaded(model_dir_factory("llama"))
+    report = optimize_for_inference(model, CPU, torch.float32, weights=QuantScheme("int8"), kernels=None)
+    assert report.kernels is None and report.swapped_modules == 0
+    assert type(model.model.layers[0].input_layernorm) is RMSNorm
+    assert type(model.model.layers[0].self_attn.attn) is PagedAttention
+    assert not bind_kv_cache(model, cache_for(cfg)).decode_stack
+
+
+def test_qwen3_keeps_its_attention_and_has_no_decode_stack(model_dir_factory):
+    model, cfg = loaded(model_dir_factory("qwen3"))
+    report = optimize_for_inference(model, CPU, torch.float32)
+    if report.kernels is None:
+        pytest.skip("no C++ toolchain")
+    attention = model.model.layers[0].self_attn
+    assert not isinstance(attention, FusedLlamaAttention)
+    assert isinstance(attention.q_norm, FusedRMSNorm) and isinstance(attention.attn, CpuPagedAttention)
+    assert not bind_kv_cache(model, cache_for(cfg)).decode_stack
+
+
+def test_engine_args_validate_quantization_and_kv_dtype():
+    with pytest.raises(ConfigError, match="quantization: 'int3'"):
+        EngineArgs(model="m", quantization="int3")
+    with pytest.raises(ConfigError, match="quantization_group_size: 48"):
+        EngineArgs(model="m", quantization="int4", quantization_group_size=48)
+    with pytest.raises(ConfigError, match="kv_cache_dtype: 'fp8'"):
+        EngineArgs(model="m", kv_cache_dtype="fp8")
+    with pytest.raises(ConfigError, match="apply to quantization='int4' only"):
+        EngineArgs(model="m", quantization="int8", quantization_zero_point=True)
+    with pytest.raises(ConfigError, match="quantization_zero_point: expected true or false"):
+        EngineArgs(model="m", quantization="int4", quantization_zero_point="yes")
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    args = parser.parse_args(["--model", "m", "--quantization", "int4", "--quantization-group-size", "128",
+                              "--quantization-zero-point", "--kv-cache-dtype", "int8"])
+    engine_args = EngineArgs.from_cli_args(args)
+    assert (engine_args.quantization, engine_args.quantization_group_size, engine_args.quantization_zero_point,
+            engine_args.kv_cache_dtype) == ("int4", 128, True, "int8")
+
+
+PROMPTS = [[5, 9, 13, 2, 7], [100, 3, 3, 41, 8, 9, 10, 11, 12, 13, 14], [7] * 23, [1, 2, 3, 4, 5, 6, 7, 8, 9]]
+CASES = [  # (engine arguments, the arch)
+    ({"dtype": "bfloat16"}, "llama"),
+    ({"quantization": "int8"}, "llama"),
+    ({"quantization": "int4", "quantization_group_size": 32}, "llama"),
+    ({"quantization": "int4", "quantization_zero_point": True, "kv_cache_dtype": "int8"}, "qwen2"),
+    ({"kv_cache_dtype": "int8"}, "llama"),
+    ({"kv_cache_dtype": "bfloat16", "quantization": "int8"}, "qwen3"),
+    ({"quantization": "int8", "kv_cache_dtype": "int8"}, "gpt2"),
+]
+
+
+@pytest.mark.parametrize("engine_args,arch", CASES)
+def test_compiled_path_equals_pytorch_path(model_dir_factory, monkeypatch, engine_args, arch):
+    """The same quantized weights and KV format through the compiled kernels (single sequences on the
+    decode stack, a batch of four on it too, eleven through the modules, chunked prefill) and through
+    plain PyTorch (what CUDA runs): same greedy tokens, logprobs within float32 noise."""
+    path = str(model_dir_factory(arch))
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)
+    prompts = PROMPTS + [[p + 1 for p in prompt] for prompt in PROMPTS] + PROMPTS[:3]
+    compiled = LLM(path, show_progress=False, block_size=4, max_num_batched_tokens=16, **engine_args)
+    if compiled.engine.core.cpu_kernels is None:
+        pytest.skip("no C++ toolchain")
+    runs = [compiled.generate([p], params)[0] for p in prompts[:2]]
+    runs += compiled.generate(prompts[:4], params) + compiled.generate(prompts, params)
+    monkeypatch.setenv("KVIK_CPU_KERNELS", "0")
+    plain = LLM(path, show_progress=False, block_size=4, **engine_args)
+    assert plain.engine.core.cpu_kernels is None
+    expected = plain.generate(prompts, params)
+    by_prompt = {tuple(o.prompt_token_ids): o.outputs[0] for o in expected}
+    for output in runs:
+        want = by_prompt[tuple(output.prompt_token_ids)]
+        assert output.outputs[0].token_ids == want.token_ids
+        for got_step, want_step, token in zip(output.outputs[0].logprobs, want.logprobs, want.token_ids):
+            assert abs(got_step[token].logprob - want_step[token].logprob) < 1e-3
+
+
+def test_layers_a_loader_quantized_get_the_kernels(model_dir_factory):
+    """A loader of pre-quantized checkpoints builds WeightOnlyLinear from its own int4 values, scales
+    and zero points (WeightOnlyLinear.from_int4); the entry point gives them the compiled kernels."""
+    from kvik.model.quant.reference import quantize_int4
+
+    model, cfg = loaded(model_dir_factory("llama"))
+    mlp = model.model.layers[0].mlp
+    original = mlp.down_proj
+    mlp.down_proj = WeightOnlyLinear.from_int4(quantize_int4(original.weight, 32, zero_point=True))
+    report = optimize_for_inference(model, CPU, torch.float32)
+    if report.kernels is None:
+        pytest.skip("no C++ toolchain")
+    assert report.quantized_linears == 1 and mlp.down_proj.kernel_weight() is not None
+    x = torch.randn(3, original.in_features)
+    with torch.inference_mode():
+        assert torch.allclose(mlp.down_proj(x), torch.nn.functional.linear(x, mlp.down_proj.dequantize()),
+                              atol=1e-5)
