@@ -82,6 +82,12 @@ class Request:
     wants_prompt_logprobs: bool = False
     num_prompt_logprobs_done: int = 0
     generator: Any = None  # torch.Generator for seeded sampling, created by the sampler
+    # Speculative decoding (kvik.engine.spec_decode): draft tokens proposed after the last step, to
+    # be computed after the known tokens and verified in the next one (the scheduler counts them in
+    # its budget and may drop some); and the proposer's state for this sequence (adaptive k, the
+    # draft distributions).
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_state: Any = None
     finish_reason: str | None = None
     stop_reason: int | None = None
 
