@@ -12,6 +12,7 @@ is off so every step speculates.
 from __future__ import annotations
 
 import json
+import random
 import shutil
 from pathlib import Path
 
@@ -21,6 +22,8 @@ from scipy import stats
 
 from kvik import LLM, SamplingParams
 from kvik.core.errors import ConfigError
+from kvik.core.sampling_params import OutputKind
+from tests.engine.test_no_leaks import assert_no_leaks
 from tests.engine.test_parity import MAX_NEW, PROMPTS, SHARED_PREFIX, _block_bytes, assert_matches
 from tests.reference import hf_greedy, hf_model
 
@@ -243,3 +246,43 @@ def test_configuration_errors(target, tmp_path, model_dir_factory):
     other = model_dir_factory("llama", "small")
     with pytest.raises(ConfigError, match="different tokenizer"):
         LLM(str(target), show_progress=False, speculative_method="draft", speculative_model=str(other))
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft-layer0"])
+def test_no_block_leaks_after_a_random_mix_with_speculation(proposer, target, spec_args):
+    """Finished, aborted and preempted sequences with drafts scheduled, verified and rejected:
+    afterwards every target block (and every draft-model block) is free or cached."""
+    args = spec_args(proposer)
+    per_block = _block_bytes(target, 4) + (_block_bytes(Path(args["speculative_model"]), 4)
+                                           if "speculative_model" in args else 0)
+    llm = LLM(str(target), show_progress=False, block_size=4, max_model_len=64, kv_cache_memory=24 * per_block,
+              max_num_seqs=12, max_num_batched_tokens=48, **args)
+    engine = llm.engine
+    rng = random.Random(1)
+    live: list[str] = []
+    for step in range(120):
+        if rng.random() < 0.5 and len(live) < 20:
+            request_id = f"req{step}"
+            # Repetitive prompts so the lookup proposes often.
+            pattern = [rng.randrange(1, 500) for _ in range(rng.randrange(1, 4))]
+            prompt = (pattern * 30)[:rng.randrange(2, 30)]
+            params = SamplingParams(temperature=rng.choice([0, 1.0]), n=rng.choice([1, 1, 2]),
+                                    max_tokens=rng.randrange(1, 30), ignore_eos=rng.random() < 0.5,
+                                    stop=["e"] if rng.random() < 0.3 else [], output_kind=OutputKind.DELTA)
+            engine.add_request(request_id, prompt, params)
+            live.append(request_id)
+        if live and rng.random() < 0.15:
+            engine.abort_request(live.pop(rng.randrange(len(live))))
+        for output in engine.step():
+            if output.finished and output.request_id in live:
+                live.remove(output.request_id)
+        engine.core.kv.pool.check_invariants()
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.core.scheduler.num_preemptions > 0
+    drafted, accepted = spec_stats(llm)
+    assert drafted > 0 and accepted > 0
+    assert_no_leaks(engine)
+    proposer_ = engine.core.spec.proposer
+    if proposer != "ngram":
+        assert proposer_.num_free_blocks == proposer_.pool.num_blocks and not proposer_.sequences
