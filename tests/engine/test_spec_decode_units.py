@@ -115,6 +115,9 @@ def test_adaptive_k_grows_with_acceptance_and_pauses_when_it_does_not_pay():
     assert best_k(0.9, 8, 0.05) == 8
     assert best_k(0.5, 8, 0.05) < best_k(0.8, 8, 0.05)
     assert best_k(0.04, 8, 0.05) == 0  # below the cost of one draft: off
+    # A fixed cost per verification: low acceptance does not pay even for one draft.
+    assert best_k(0.4, 3, 0.2, 0.3) == 0 and best_k(0.4, 3, 0.2, 0.0) > 0
+    assert best_k(1.0, 3, 0.2, 0.3) == 3
     state = AdaptiveK(max_k=5, cost_per_draft=0.05)
     verifications = 0
     while not state.steps_off and verifications < 50:

@@ -31,10 +31,13 @@ from kvik.engine.spec_decode.adaptive import AdaptiveK
 from kvik.engine.spec_decode.proposer import DraftContext, Proposer
 from kvik.engine.spec_decode.rejection import greedy_accept, speculative_sample
 
-# One draft token's cost relative to a decode step of the target, for the adaptive k. Measured on
-# CPU with the compiled decode stack (bench/spec_decode.py): a verification row adds about this
-# much to a one-token step.
-VERIFY_ROW_COST = 0.05
+# The adaptive k's cost model, relative to one decode step of the target. Fitted on CPU (float32,
+# SmolLM2-135M, one thread, the compiled decode stack; bench/spec_decode.py): with every draft
+# accepted, k = 1 ran 1.30x and k = 3 2.03x the speed of plain decoding, i.e. a verification costs
+# about 1 + 0.33 + 0.21 k steps. Past 3 drafts a single sequence's step leaves the compiled decode
+# stack (1-4 rows) and k = 4 or 5 ran only 1.3-1.4x: hence the default of 3 drafts.
+VERIFY_ROW_COST = 0.2
+VERIFY_FIXED_COST = 0.3
 # A draft-model step costs at least this fraction of a target step whatever the draft's size (the
 # Python and dispatch around any forward), plus the ratio of the weights it reads.
 DRAFT_STEP_FLOOR = 0.15
@@ -61,10 +64,11 @@ class SpecDecodeStats:
 
 class SpecDecoder:
     def __init__(self, proposer: Proposer, *, max_k: int, cost_per_draft: float, adaptive: bool,
-                 max_model_len: int, kv_bytes_per_block: int = 0) -> None:
+                 max_model_len: int, kv_bytes_per_block: int = 0, cost_fixed: float = VERIFY_FIXED_COST) -> None:
         self.proposer = proposer
         self.max_k = max_k
         self.cost_per_draft = cost_per_draft
+        self.cost_fixed = cost_fixed
         self.adaptive = adaptive
         self.max_model_len = max_model_len
         self.kv_bytes_per_block = kv_bytes_per_block  # the proposer's KV next to each target block
@@ -86,7 +90,8 @@ class SpecDecoder:
                 continue
             state = request.spec_state
             if state is None:
-                state = request.spec_state = SpecState(AdaptiveK(self.max_k, self.cost_per_draft, self.adaptive))
+                state = request.spec_state = SpecState(AdaptiveK(
+                    self.max_k, self.cost_per_draft, self.cost_fixed, self.adaptive))
             # k drafts add at most k + 1 tokens, each at a position inside the context.
             k = min(state.adaptive.next_k(), request.max_tokens - request.num_output_tokens - 1,
                     self.max_model_len - request.num_tokens - 1)
