@@ -88,11 +88,13 @@ def run_demo(args: argparse.Namespace) -> int:
     from kvik.data.pipeline import run_pipeline
     from kvik.train import demo
     from kvik.train.config import train_config_from_dict
-    from kvik.train.shards import load_manifest
+    from kvik.core.shard_format import load_manifest
     from kvik.train.trainer import train
 
-    model_dir = demo.cache_dir() / demo.DEMO_NAME
-    data_dir = demo.cache_dir() / f"{demo.DEMO_NAME}-data"
+    from kvik.core.cache_dir import kvik_cache_dir
+
+    model_dir = kvik_cache_dir() / demo.DEMO_NAME
+    data_dir = kvik_cache_dir() / f"{demo.DEMO_NAME}-data"
     if args.force:
         shutil.rmtree(model_dir, ignore_errors=True)
         shutil.rmtree(data_dir, ignore_errors=True)

@@ -115,7 +115,8 @@ class EngineArgs:
     def add_cli_args(parser: argparse.ArgumentParser, *, model_required: bool = False) -> None:
         group = parser.add_argument_group("engine")
         group.add_argument("--model", required=model_required, default=None,
-                           help="model directory in HF format, or a hub id to download")
+                           help="model directory in HF format (GPTQ/AWQ included), a .gguf file, "
+                                "or a hub id to download")
         group.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
         group.add_argument("--revision", default=None, help="hub revision for a hub id")
         group.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")

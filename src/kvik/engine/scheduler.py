@@ -23,6 +23,12 @@ each, moves `num_computed_tokens` to the tokens whose KV is now valid (rolling b
 drafts: their slots are overwritten later, their blocks stay in the table for reuse), registers
 newly full blocks of accepted tokens in the prefix cache, and returns one `EngineCoreOutput` per
 sequence that produced something.
+
+Pooling requests (embeddings, classification) ride the same queue and budget. They end in the step
+that computes their last prompt token, with the pooled vector instead of a sampled token. One that
+`needs_whole_prompt` (an encoder's, or mean/CLS pooling) is admitted only when its whole prompt fits
+the step's remaining budget, and never reads the prefix cache. An encoder model has no KV cache at
+all (`uses_kv_cache=False`): nothing is allocated for its requests.
 """
 
 from __future__ import annotations
@@ -84,8 +90,9 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True, *, eos_token_ids: frozenset[int] = frozenset(),
-                 max_model_len: int = 2**31) -> None:
+                 max_model_len: int = 2**31, uses_kv_cache: bool = True) -> None:
         self.kv = kv
+        self.uses_kv_cache = uses_kv_cache
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -113,7 +120,7 @@ class Scheduler:
             num_known = request.num_tokens - request.num_computed_tokens
             num_new = min(num_known + len(request.spec_token_ids), budget)
             del request.spec_token_ids[max(0, num_new - num_known):]  # drafts past the budget
-            while not self.kv.allocate_slots(request, num_new):
+            while self.uses_kv_cache and not self.kv.allocate_slots(request, num_new):
                 if request.spec_token_ids:  # drafts give way before anyone is preempted
                     num_new -= len(request.spec_token_ids)
                     request.spec_token_ids.clear()
@@ -136,17 +143,20 @@ class Scheduler:
             if leader is not None and not self._prompt_computed(leader):
                 continue  # a sibling of an n>1 request: admitted once the prompt's blocks are cached
             request.wait_for_prompt_of = None
-            hit = self.kv.find_cached_prefix(request) if request.num_computed_tokens == 0 else None
+            whole = request.needs_whole_prompt
+            hit = (self.kv.find_cached_prefix(request)
+                   if request.num_computed_tokens == 0 and not whole and self.uses_kv_cache else None)
             hit_tokens = hit.num_blocks * self.kv.block_size if hit else 0
             num_new = request.num_tokens - request.num_computed_tokens - hit_tokens
-            if num_new > budget and not self.enable_chunked_prefill:
+            if num_new > budget and (whole or not self.enable_chunked_prefill):
                 return
             num_new = min(num_new, budget)
-            if not self.kv.allocate_slots(request, num_new, hit):
+            if self.uses_kv_cache and not self.kv.allocate_slots(request, num_new, hit):
                 return  # FCFS: nobody overtakes the head of the queue for blocks
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = hit_tokens
-                self.kv.record_prefix_query(request.num_tokens, hit_tokens)
+                if self.uses_kv_cache:
+                    self.kv.record_prefix_query(request.num_tokens, hit_tokens)
             request.num_computed_tokens += hit_tokens
             self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
@@ -192,9 +202,10 @@ class Scheduler:
     # -- after the step --
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[Request, SampledTokens],
-                           ) -> list[EngineCoreOutput]:
+                           pooled: dict[Request, bytes] | None = None) -> list[EngineCoreOutput]:
         """Apply one executed step: `sampled` maps each sequence whose known tokens were all
-        computed to its new token(s) (and logprobs). Returns what each sequence produced."""
+        computed to its new token(s) (and logprobs), `pooled` each pooling request whose prompt is
+        now computed to its vector (float32 bytes). Returns what each sequence produced."""
         now = time.time()
         outputs: list[EngineCoreOutput] = []
         for chunk in out.chunks:
@@ -206,6 +217,17 @@ class Scheduler:
                 group.num_cached_tokens = max(request.num_cached_tokens, 0)
             if request.status.finished:  # aborted while the step ran (cannot happen in-process)
                 request.num_computed_tokens = chunk.end
+                continue
+            if request.pooling is not None:
+                request.num_computed_tokens = chunk.end
+                self.kv.cache_computed_blocks(request)
+                vector = pooled.get(request) if pooled else None
+                if vector is not None:
+                    request.finish_reason = RequestStatus.FINISHED_STOPPED.value
+                    self.finish(request, RequestStatus.FINISHED_STOPPED)
+                    output = self._output(request, [], None, None)
+                    output.pooled = vector
+                    outputs.append(output)
                 continue
             result = sampled.get(request)
             if result is None:

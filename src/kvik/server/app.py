@@ -22,9 +22,11 @@ from kvik import __version__
 from kvik.core.errors import AuthenticationError, InvalidRequestError, KvikError, RequestTooLargeError
 from kvik.core.memory import release_freed_memory
 from kvik.protocol.errors import error_body, error_from_exception
-from kvik.server.routes import generation, models, ops, tokenize
+from kvik.server.routes import generation, models, ops, pooling, responses_api, tokenize
 from kvik.server.serving.chat import ChatServing
 from kvik.server.serving.completions import CompletionServing
+from kvik.server.serving.pooling import PoolingServing
+from kvik.server.serving.responses_api import ResponsesServing
 from kvik.server.serving.streams import ClientDisconnected
 from kvik.server.state import ServerState
 from kvik.web import PageConfig, install_web
@@ -164,8 +166,12 @@ def create_app(state: ServerState) -> FastAPI:
     app.state.server = state
     app.state.chat = ChatServing(state)
     app.state.completions = CompletionServing(state)
+    app.state.pooling = PoolingServing(state)
+    app.state.responses = ResponsesServing(state)
     keyed = [Depends(check_api_key)]
     app.include_router(generation.router, dependencies=keyed)
+    app.include_router(pooling.router, dependencies=keyed)
+    app.include_router(responses_api.router, dependencies=keyed)
     app.include_router(models.router, dependencies=keyed)
     app.include_router(tokenize.router, dependencies=keyed)
     app.include_router(ops.router)

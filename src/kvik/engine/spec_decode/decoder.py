@@ -86,7 +86,8 @@ class SpecDecoder:
         candidates: list[Request] = []
         num_drafts: list[int] = []
         for request in running:
-            if request.status is not RequestStatus.RUNNING or request.num_tokens - request.num_computed_tokens != 1:
+            if (request.status is not RequestStatus.RUNNING or request.pooling is not None
+                    or request.num_tokens - request.num_computed_tokens != 1):
                 continue
             state = request.spec_state
             if state is None:

@@ -74,6 +74,9 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
         )""",
         "CREATE INDEX admin_audit_created ON admin_audit (created_at)",
     ]),
+    (4, "key teams (the tenant that shares a cache scope and prefix-cache salt)", [
+        "ALTER TABLE api_keys ADD COLUMN team TEXT",
+    ]),
 ]
 
 
