@@ -19,6 +19,8 @@ DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("int8", "int4")
 QUANTIZATION_GROUP_SIZES = (32, 64, 128)
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8")
+SPECULATIVE_METHODS = ("ngram", "draft")
+MAX_SPECULATIVE_TOKENS = 16
 
 
 @dataclass(slots=True)
@@ -45,6 +47,14 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     threads: int | None = None  # CPU intra-op threads; default: torch's choice
     show_progress: bool = True  # progress bar while loading weights
+    # Speculative decoding (kvik.engine.spec_decode): "ngram" (prompt lookup) or "draft" (a smaller
+    # model with the same tokenizer, `speculative_model`); None turns it off.
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 3  # drafts per step at most (adaptive k chooses up to this)
+    speculative_model: str | None = None
+    prompt_lookup_min: int = 2  # n-gram sizes the lookup tries, longest first
+    prompt_lookup_max: int = 4
+    speculative_adaptive: bool = True  # False: always propose num_speculative_tokens
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_memory, str):  # the Python API takes the CLI's sizes too
@@ -92,6 +102,23 @@ class EngineArgs:
             raise ConfigError(f"kv_cache_fraction: must be in (0, 1], got {self.kv_cache_fraction}")
         if self.kv_cache_memory is not None and self.kv_cache_fraction is not None:
             raise ConfigError("kv_cache_memory and kv_cache_fraction: give one, not both")
+        self._validate_speculative()
+
+    def _validate_speculative(self) -> None:
+        method = self.speculative_method
+        if method is not None and method not in SPECULATIVE_METHODS:
+            raise ConfigError(f"speculative_method: {method!r} is not one of {', '.join(SPECULATIVE_METHODS)}")
+        if method == "draft" and not self.speculative_model:
+            raise ConfigError("speculative_model: the draft method needs a draft model directory "
+                              "(--speculative-model)")
+        if self.speculative_model and method != "draft":
+            raise ConfigError("speculative_model: only used with speculative_method 'draft'")
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(f"num_speculative_tokens: must be in 1..{MAX_SPECULATIVE_TOKENS}, "
+                              f"got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ConfigError(f"prompt_lookup_min/max: need 1 <= min <= max, got "
+                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:
@@ -146,6 +173,22 @@ class EngineArgs:
         group.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
                            help="schedule each prompt whole (needs a token budget >= max-model-len)")
         group.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+        spec = parser.add_argument_group("speculative decoding")
+        spec.add_argument("--speculative-method", default=None, choices=SPECULATIVE_METHODS,
+                          help="propose draft tokens and verify them in one forward: ngram (prompt "
+                               "lookup, no second model) or draft (--speculative-model); default off")
+        spec.add_argument("--num-speculative-tokens", type=int, default=3,
+                          help="most draft tokens per sequence and step (default: 3; on CPU a step "
+                               "of up to 4 rows takes the compiled decode path)")
+        spec.add_argument("--speculative-model", default=None,
+                          help="draft model directory for --speculative-method draft (same tokenizer)")
+        spec.add_argument("--prompt-lookup-min", type=int, default=2,
+                          help="shortest n-gram the ngram method looks up (default: 2)")
+        spec.add_argument("--prompt-lookup-max", type=int, default=4,
+                          help="longest n-gram the ngram method looks up (default: 4)")
+        spec.add_argument("--no-speculative-adaptive", dest="speculative_adaptive", action="store_false",
+                          help="always propose --num-speculative-tokens drafts instead of adapting k "
+                               "to each sequence's acceptance rate (and pausing when it is low)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, default_model: str | None = None) -> EngineArgs:
@@ -163,6 +206,8 @@ _FIELD_TYPES: dict[str, Any] = {
     "max_num_seqs": int, "max_num_batched_tokens": int, "enable_prefix_caching": bool,
     "enable_chunked_prefill": bool, "threads": int, "show_progress": bool, "quantization": str,
     "quantization_group_size": int, "quantization_zero_point": bool, "kv_cache_dtype": str,
+    "speculative_method": str, "num_speculative_tokens": int, "speculative_model": str,
+    "prompt_lookup_min": int, "prompt_lookup_max": int, "speculative_adaptive": bool,
 }
 _TYPE_NAMES = {str: "a string", int: "an integer", bool: "true or false"}
 

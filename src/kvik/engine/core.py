@@ -1,6 +1,7 @@
 """`EngineCore`: the model, the KV cache, the scheduler and the sampler, in token ids only.
 
-One step reads schedule() -> execute() -> sample() -> update_from_output(). The core runs either in
+One step reads schedule() -> execute() -> sample() -> update_from_output(), then, with speculative
+decoding on, propose() drafts for the next step (verified in it next to sampling). The core runs either in
 the caller's thread (the offline `LLM`, through `LLMEngine`) or in a process of its own behind a
 socket (`kvik serve`, through `kvik.engine.core_process`); it does not know which. It trusts the
 front end to have validated requests (`kvik.engine.input_processor`) and still refuses, one request
@@ -33,7 +34,8 @@ from kvik.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineInfo
 from kvik.engine.model_runner import ModelRunner
 from kvik.engine.request import Request, RequestGroup, RequestStatus
 from kvik.engine.sampler import Sampler, prompt_logprobs_for
-from kvik.engine.scheduler import Scheduler
+from kvik.engine.scheduler import SampledTokens, Scheduler
+from kvik.engine.spec_decode import SpecDecoder, build_spec_decoder
 from kvik.engine.structured.matcher import GrammarBackend
 from kvik.model.loader import load_model, load_model_config, resolve_model_path
 from kvik.model.models.registry import model_class as architecture_class
@@ -83,6 +85,14 @@ class EngineCore:
         self.cpu_kernels = self.transforms.kernels
         self.weight_bytes = self.transforms.weight_bytes
         logger.info("precision: %s (%.1f MiB of weights)", self.precision.describe(), self.weight_bytes / 2**20)
+        # Speculative decoding; a draft model loads now, so its weights and KV share the budget.
+        if args.speculative_method is not None and "generate" not in self.tasks:
+            raise ConfigError(f"speculative_method: {cfg.architecture} does not generate text "
+                              f"(it can {', '.join(self.tasks)}); speculative decoding needs a generative model")
+        self.spec: SpecDecoder | None = build_spec_decoder(
+            args, tokenizer=self.tokenizer_spec, vocab_size=cfg.vocab_size, device=self.device,
+            dtype=self.dtype, max_model_len=self.max_model_len,
+            max_num_batched_tokens=self.max_num_batched_tokens, target_weight_bytes=self.weight_bytes)
 
         num_blocks = self._num_kv_blocks() if self.uses_kv_cache else 0
         self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
@@ -101,6 +111,8 @@ class EngineCore:
                                        self.tokenizer_spec.vocab_size, self.eos_token_ids)
         self.sampler = Sampler(cfg.vocab_size, self.eos_token_ids, self.device, seed=args.seed,
                                grammars=self.grammars)
+        if self.spec is not None:
+            self.spec.start(num_blocks, self.sampler)
         self.groups: dict[str, RequestGroup] = {}
         self._arrival_counter = itertools.count()
         self.prompt_tokens_total = 0
@@ -139,6 +151,8 @@ class EngineCore:
         cfg, args = self.model_config, self.args
         per_block = ModelRunner.bytes_per_block(cfg.num_layers, args.block_size, cfg.num_kv_heads,
                                                 cfg.head_dim, self.precision.kv_cache_dtype)
+        if self.spec is not None:  # a draft model keeps as many blocks of its own
+            per_block += self.spec.kv_bytes_per_block
         free = free_memory_bytes(self.device)
         if args.kv_cache_memory is not None:
             budget = args.kv_cache_memory
@@ -309,19 +323,26 @@ class EngineCore:
             group.prompt_logprobs.extend(prompt_logprobs_for(rows, targets, group.params.prompt_logprobs))
             request.num_prompt_logprobs_done = piece.first_token + piece.num_rows - 1
         requests: list[Request] = [chunk.request for chunk in result.sample_chunks]
-        sampled_map = {}
+        new_tokens: dict[Request, SampledTokens] = {}
         if requests:
             sampled = self.sampler(result.logits[:len(requests)], requests)
-            sampled_map = {r: (t, lp) for r, t, lp in zip(requests, sampled.token_ids, sampled.logprobs)}
-        self.generation_tokens_total += len(requests)
+            new_tokens = {r: SampledTokens([t], [lp] if lp else None)
+                          for r, t, lp in zip(requests, sampled.token_ids, sampled.logprobs)}
+        # Constrained sequences never get drafts (SpecDecoder.propose skips them): their tokens all
+        # come from the sampler above.
         failed = self._advance_grammars(requests, sampled.token_ids) if requests else []
+        if result.verify_slices:
+            new_tokens.update(self.spec.verify(result.logits, result.verify_slices))
         pooled = {chunk.request: float32_bytes(vector) for chunk, vector in result.pooled}
-        outputs = self.scheduler.update_from_output(scheduled, sampled_map, pooled)
+        outputs = self.scheduler.update_from_output(scheduled, new_tokens, pooled)
         outputs.extend(failed)
         for output in outputs:
+            self.generation_tokens_total += len(output.new_token_ids)
             group = self.groups.get(output.request_id)
             if group is not None and group.finished:
                 del self.groups[output.request_id]
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
         return outputs
 
     def _advance_grammars(self, requests: list[Request], token_ids: list[int]) -> list[EngineCoreOutput]:
@@ -341,13 +362,20 @@ class EngineCore:
         return failed
 
     def stats(self) -> EngineStats:
-        return EngineStats(
+        stats = EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_cache_usage=self.kv.usage, num_blocks=self.kv.pool.num_blocks,
             num_free_blocks=self.kv.num_free_blocks(), prefix_cache_queries=self.kv.prefix_cache_queries,
             prefix_cache_hits=self.kv.prefix_cache_hits, num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens=self.prompt_tokens_total, generation_tokens=self.generation_tokens_total,
         )
+        if self.spec is not None:
+            spec = self.spec.stats
+            stats.spec_decode_num_drafts = spec.num_drafts
+            stats.spec_decode_num_draft_tokens = spec.num_draft_tokens
+            stats.spec_decode_num_accepted_tokens = spec.num_accepted_tokens
+            stats.spec_decode_num_accepted_tokens_per_pos = list(spec.accepted_per_position)
+        return stats
 
 
 def float32_bytes(vector: torch.Tensor) -> bytes:

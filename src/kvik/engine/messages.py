@@ -101,6 +101,12 @@ class EngineStats(msgspec.Struct):
     num_preemptions: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    # Speculative decoding: verifications, draft tokens proposed and accepted, and accepted drafts
+    # by position (index i: the (i+1)-th draft of a step); all zero when it is off.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
 
 
 class UtilityResult(msgspec.Struct, array_like=True):

@@ -1,12 +1,16 @@
 """Turn a scheduled step into one batched forward over a flat token batch.
 
-The batch holds every scheduled token of every sequence: one-token decodes first (attended together),
-then prefill chunks. Logits are computed only for rows that need them: the last token of each
-sequence whose known tokens are now all computed (to sample from), and prompt positions of sequences
-that asked for prompt logprobs. A pooling request whose prompt is now computed gets its pooled vector
-instead (`kvik.model.pooling`): truncated and normalised for embeddings, through the model's score
-head for classification. An encoder model has no KV cache (`num_blocks=0`): every chunk is a whole
-prompt attended on its own, and no slot mapping is needed.
+The batch holds every scheduled token of every sequence: decode rows first (attended together),
+then prefill chunks. A decode row is one query token attending to the cache up to its own position:
+a one-token decode, or one row of a chunk that verifies draft tokens (speculative decoding: the last
+known token and each draft after it), so verifying k drafts computes exactly what k + 1 single
+decodes would, on the same path (the compiled decode stack for up to 4 rows). Logits are computed
+only for rows that need them: the last token of each sequence whose known tokens are now all
+computed (to sample from), every row of a verified chunk, and prompt positions of sequences that
+asked for prompt logprobs. A pooling request whose prompt is now computed gets its
+pooled vector instead (`kvik.model.pooling`): truncated and normalised for embeddings, through the
+model's score head for classification. An encoder model has no KV cache (`num_blocks=0`): every
+chunk is a whole prompt attended on its own, and no slot mapping is needed.
 """
 
 from __future__ import annotations
@@ -35,10 +39,22 @@ class PromptLogitsSlice:
 
 
 @dataclass(slots=True)
+class VerifySlice:
+    """Logits rows [row_start, row_start + num_rows) of a chunk with draft tokens: row j scores the
+    token after the last known one plus j drafts (num_rows = drafts + 1)."""
+
+    chunk: ScheduledChunk
+    row_start: int
+    num_rows: int
+
+
+@dataclass(slots=True)
 class RunnerOutput:
-    logits: torch.Tensor  # (rows, vocab) float32: sampling rows first, then prompt-logprob rows
+    # (rows, vocab) float32: sampling rows first, then verification rows, then prompt-logprob rows
+    logits: torch.Tensor
     sample_chunks: list[ScheduledChunk] = field(default_factory=list)  # row i samples for chunk i
     prompt_slices: list[PromptLogitsSlice] = field(default_factory=list)
+    verify_slices: list[VerifySlice] = field(default_factory=list)
     # Pooling requests finished this step: (chunk, 1-D float32 CPU tensor).
     pooled: list[tuple[ScheduledChunk, torch.Tensor]] = field(default_factory=list)
 
@@ -73,16 +89,19 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> RunnerOutput:
         # Without a KV cache a one-token prompt is a (tiny) prefill: there is nothing to decode from.
-        decodes = [c for c in chunks if c.num_new_tokens == 1 and self.has_kv_cache]
-        prefills = [c for c in chunks if c.num_new_tokens > 1 or not self.has_kv_cache]
+        decodes = [c for c in chunks if (c.num_new_tokens == 1 or c.spec_token_ids) and self.has_kv_cache]
+        prefills = [c for c in chunks if not ((c.num_new_tokens == 1 or c.spec_token_ids) and self.has_kv_cache)]
         ordered = decodes + prefills
         input_ids, positions, slots = self._flat_inputs(decodes, prefills)
         meta = self._attention_metadata(decodes, prefills, slots)
         hidden = self.model(input_ids, positions, meta)
 
-        # Rows to compute logits for: one per completed sequence, then prompt-logprob positions.
+        # Rows to compute logits for: one per completed sequence, every row from the last known
+        # token on of chunks with drafts, then prompt-logprob positions.
         sample_rows: list[int] = []
         sample_chunks: list[ScheduledChunk] = []
+        verify_rows: list[int] = []
+        verify_slices: list[VerifySlice] = []
         prompt_rows: list[torch.Tensor] = []
         prompt_slices: list[PromptLogitsSlice] = []
         pool_chunks: list[ScheduledChunk] = []
@@ -96,8 +115,13 @@ class ModelRunner:
                 offset += chunk.num_new_tokens
                 continue
             if chunk.completes_sequence:
-                sample_rows.append(offset + chunk.num_new_tokens - 1)
-                sample_chunks.append(chunk)
+                first = max(chunk.start, chunk.request.num_tokens - 1)
+                if first == chunk.end - 1:
+                    sample_rows.append(offset + chunk.num_new_tokens - 1)
+                    sample_chunks.append(chunk)
+                else:
+                    verify_slices.append(VerifySlice(chunk, len(verify_rows), chunk.end - first))
+                    verify_rows.extend(range(offset + first - chunk.start, offset + chunk.num_new_tokens))
             request = chunk.request
             if request.wants_prompt_logprobs:
                 # Position p scores prompt token p + 1; skip tokens already scored before a
@@ -109,8 +133,10 @@ class ModelRunner:
                     prompt_rows.append(torch.arange(offset + first - chunk.start,
                                                     offset + last - chunk.start))
             offset += chunk.num_new_tokens
-        row_index = torch.tensor(sample_rows, dtype=torch.long)
-        next_row = len(sample_rows)
+        row_index = torch.tensor(sample_rows + verify_rows, dtype=torch.long)
+        for piece in verify_slices:
+            piece.row_start += len(sample_rows)
+        next_row = len(row_index)
         for piece in prompt_slices:
             piece.row_start = next_row
             next_row += piece.num_rows
@@ -120,7 +146,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[row_index.to(self.device)]).float()
         else:
             logits = hidden.new_empty(0, 0, dtype=torch.float32)
-        output = RunnerOutput(logits, sample_chunks, prompt_slices)
+        output = RunnerOutput(logits, sample_chunks, prompt_slices, verify_slices)
         if pool_chunks:
             output.pooled = list(zip(pool_chunks, self._pool(hidden, pool_chunks, pool_spans)))
         return output
@@ -150,10 +176,10 @@ class ModelRunner:
         pos: list[int] = []
         slots: list[int] = []
         for chunk in decodes:  # scalar bookkeeping is cheapest for single tokens
-            position = chunk.start
-            ids.append(chunk.request.all_token_ids[position])
-            pos.append(position)
-            slots.append(chunk.block_ids[position // size] * size + position % size)
+            for position in range(chunk.start, chunk.end):
+                ids.append(chunk.token_at(position))
+                pos.append(position)
+                slots.append(chunk.block_ids[position // size] * size + position % size)
         parts_ids = [torch.tensor(ids, dtype=torch.long)]
         parts_pos = [torch.tensor(pos, dtype=torch.long)]
         parts_slots = [torch.tensor(slots, dtype=torch.long)]
@@ -173,16 +199,17 @@ class ModelRunner:
     def _attention_metadata(self, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk],
                             slots: torch.Tensor) -> AttentionMetadata:
         size, device = self.block_size, self.device
-        meta = AttentionMetadata(slot_mapping=slots, num_decodes=len(decodes))
+        meta = AttentionMetadata(slot_mapping=slots, num_decodes=sum(c.num_new_tokens for c in decodes))
         if decodes:
-            tables = [c.block_ids for c in decodes]
+            # One row per token; the rows of a chunk share its table and each attends up to itself.
+            tables = [c.block_ids for c in decodes for _ in range(c.num_new_tokens)]
             # Only the blocks that hold tokens so far; later blocks of a table are still empty.
-            lengths = [c.start + 1 for c in decodes]
+            lengths = [position + 1 for c in decodes for position in range(c.start, c.end)]
             width = max(-(-n // size) for n in lengths)
             padded = [t[:width] + [0] * (width - len(t[:width])) for t in tables]
             meta.decode_block_tables = torch.tensor(padded, dtype=torch.long, device=device)
             meta.decode_seq_lens = torch.tensor(lengths, device=device)
-        offset = len(decodes)
+        offset = meta.num_decodes
         for chunk in prefills:
             span = PrefillSpan(offset, chunk.num_new_tokens, chunk.start, None, None)
             if chunk.start > 0:

@@ -91,6 +91,12 @@ class Request:
     # Structured outputs: the sequence's grammar matcher (kvik.engine.structured.matcher.GrammarState),
     # advanced by each sampled token; it follows the tokens, so preemption keeps it valid.
     grammar: Any = None
+    # Speculative decoding (kvik.engine.spec_decode): draft tokens proposed after the last step, to
+    # be computed after the known tokens and verified in the next one (the scheduler counts them in
+    # its budget and may drop some); and the proposer's state for this sequence (adaptive k, the
+    # draft distributions).
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_state: Any = None
     finish_reason: str | None = None
     stop_reason: int | None = None
 

@@ -10,6 +10,9 @@ token's logprob says how likely the model found it, not how likely the grammar l
 A draw is argmax(p / e) with e ~ Exp(1) per vocabulary entry, which picks token i with probability p_i.
 A seeded request draws e from its own generator, one draw per step, so its tokens do not depend on
 what else shares the batch.
+
+Speculative decoding (kvik.engine.spec_decode) verifies draft tokens against the same distribution:
+`processed` and `distribution` give it the rows this sampler would draw from.
 """
 
 from __future__ import annotations
@@ -69,6 +72,21 @@ class Sampler:
             self._gather_logprobs(raw_logprobs, chosen, requests, want_logprobs, logprobs)
         return SamplerOutput(token_ids, logprobs)
 
+    def processed(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """`logits` (R, V) after the logit processors. Row i is processed for requests[i], which may
+        be any object with a Request's `params`, `all_token_ids`, `output_token_ids` and
+        `num_output_tokens` (a verifier scores rows as if draft tokens were already appended)."""
+        return self._process(logits, requests)
+
+    def distribution(self, processed: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """(R, V) probabilities a random draw for each row follows: temperature, top-k, top-p and
+        min-p applied to processed logits. Rows of greedy requests are not meaningful."""
+        probs, order = self._filtered_probs(processed, requests)
+        probs = probs / probs.sum(dim=-1, keepdim=True)  # the filters zero entries without rescaling
+        if order is None:
+            return probs
+        return torch.zeros_like(probs).scatter_(1, order, probs)
+
     # -- logit processors --
 
     def _process(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -121,6 +139,35 @@ class Sampler:
     # -- random draw with temperature, top-k, top-p, min-p --
 
     def _draw(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        probs, order = self._filtered_probs(logits, requests)
+        device, vocab = probs.device, probs.shape[-1]
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, r in enumerate(requests) if r.params.seed is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), vocab, device=device).exponential_(
+                generator=self.generator)
+        for i, request in enumerate(requests):
+            if request.params.seed is not None:
+                noise[i].exponential_(generator=self.generator_for(request))
+        # Exp(1) can return exactly 0; 0/0 would be NaN, which argmax would pick.
+        choice = (probs / noise.clamp_min_(1e-30)).argmax(dim=-1)
+        if order is not None:
+            choice = order.gather(1, choice[:, None]).squeeze(1)
+        return choice
+
+    def generator_for(self, request: Request) -> torch.Generator:
+        """The request's own generator if it has a seed (created on first use), else the shared one."""
+        if request.params.seed is None:
+            return self.generator
+        if request.generator is None:
+            request.generator = torch.Generator(device=self.device).manual_seed(
+                request.params.seed + request.index)
+        return request.generator
+
+    def _filtered_probs(self, logits: torch.Tensor, requests: list[Request]
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Probabilities after temperature, top-k, top-p and min-p: in vocabulary order, or sorted
+        (descending) with `order` mapping columns back to token ids when a filter applies."""
         device = logits.device
         temperature = torch.tensor([r.params.temperature for r in requests], device=device)
         logits = logits / temperature[:, None]
@@ -139,25 +186,8 @@ class Sampler:
             remove = mass_before > torch.tensor(top_p, device=device)[:, None]
             remove |= probs < torch.tensor(min_p, device=device)[:, None] * probs[:, :1]
             remove[:, 0] = False  # the most likely token always survives
-            probs = probs.masked_fill(remove, 0.0)
-        else:
-            probs = logits.softmax(dim=-1)
-        noise = torch.empty_like(probs)
-        unseeded = [i for i, r in enumerate(requests) if r.params.seed is None]
-        if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), vocab, device=device).exponential_(
-                generator=self.generator)
-        for i, request in enumerate(requests):
-            if request.params.seed is not None:
-                if request.generator is None:
-                    request.generator = torch.Generator(device=device).manual_seed(
-                        request.params.seed + request.index)
-                noise[i].exponential_(generator=request.generator)
-        # Exp(1) can return exactly 0; 0/0 would be NaN, which argmax would pick.
-        choice = (probs / noise.clamp_min_(1e-30)).argmax(dim=-1)
-        if filtered:
-            choice = order.gather(1, choice[:, None]).squeeze(1)
-        return choice
+            return probs.masked_fill(remove, 0.0), order
+        return logits.softmax(dim=-1), None
 
     # -- logprobs --
 

@@ -9,11 +9,20 @@ front of the waiting queue to be recomputed later (its sampled tokens are kept, 
 
 The queue policy is one method (`_admission_order`), kept separate so priorities can replace FCFS;
 `ScheduledChunk` carries the token count and the block ids per sequence, so the model runner never
-reads the KV manager; speculative tokens and LoRA or grammar state would ride along there too.
+reads the KV manager; LoRA or grammar state would ride along there too.
 
-After the model ran, `update_from_output` owns the bookkeeping: it advances `num_computed_tokens`,
-registers newly computed blocks in the prefix cache, appends sampled tokens, applies the token-level
-stop conditions and returns one `EngineCoreOutput` per sequence that produced something.
+Speculative decoding adds draft tokens to a running sequence (`Request.spec_token_ids`, proposed by
+`kvik.engine.spec_decode` after the previous step): they are scheduled after the known tokens and
+counted in the budget like any other token (drafts that do not fit are dropped, never the known
+tokens), and blocks are allocated for them; when blocks run short the drafts go before anyone is
+preempted.
+
+After the model ran, `update_from_output` owns the bookkeeping: it appends the sampled tokens (one,
+or for a verified chunk the accepted drafts plus one), applies the token-level stop conditions after
+each, moves `num_computed_tokens` to the tokens whose KV is now valid (rolling back over rejected
+drafts: their slots are overwritten later, their blocks stay in the table for reuse), registers
+newly full blocks of accepted tokens in the prefix cache, and returns one `EngineCoreOutput` per
+sequence that produced something.
 
 Pooling requests (embeddings, classification) ride the same queue and budget. They end in the step
 that computes their last prompt token, with the pooled vector instead of a sampled token. One that
@@ -36,9 +45,12 @@ from kvik.engine.request import Request, RequestStatus, check_stop
 @dataclass(slots=True)
 class ScheduledChunk:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # known tokens to compute plus draft tokens
     start: int  # num_computed_tokens when scheduled: the first position computed in this step
     block_ids: list[int] = field(default_factory=list)  # the sequence's block table this step
+    # Draft tokens computed after the known ones (positions num_tokens, num_tokens + 1, ...): the
+    # chunk's logits at the last known token and at each draft verify them.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def end(self) -> int:
@@ -46,8 +58,23 @@ class ScheduledChunk:
 
     @property
     def completes_sequence(self) -> bool:
-        """All known tokens are computed after this chunk: its last logits give the next token."""
-        return self.end == self.request.num_tokens
+        """All known tokens (and the drafts) are computed after this chunk: its logits from the last
+        known token on give the next token(s)."""
+        return self.end == self.request.num_tokens + len(self.spec_token_ids)
+
+    def token_at(self, position: int) -> int:
+        """The token computed at `position`: a known one, or a draft past the known tokens."""
+        tokens = self.request.all_token_ids
+        return tokens[position] if position < len(tokens) else self.spec_token_ids[position - len(tokens)]
+
+
+@dataclass(slots=True)
+class SampledTokens:
+    """What a step produced for one sequence whose known tokens were all computed: one token, or
+    after verifying drafts the accepted ones plus the token sampled after them."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None  # one entry per token, when asked for
 
 
 @dataclass(slots=True)
@@ -90,14 +117,20 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_known = request.num_tokens - request.num_computed_tokens
+            num_new = min(num_known + len(request.spec_token_ids), budget)
+            del request.spec_token_ids[max(0, num_new - num_known):]  # drafts past the budget
             while self.uses_kv_cache and not self.kv.allocate_slots(request, num_new):
+                if request.spec_token_ids:  # drafts give way before anyone is preempted
+                    num_new -= len(request.spec_token_ids)
+                    request.spec_token_ids.clear()
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 if victim is request:
                     return budget
             out.chunks.append(ScheduledChunk(request, num_new, request.num_computed_tokens,
-                                             self.kv.block_ids(request)))
+                                             self.kv.block_ids(request), list(request.spec_token_ids)))
             budget -= num_new
             index += 1
         return budget
@@ -144,6 +177,7 @@ class Scheduler:
         self.running.remove(request)
         self.kv.free(request)
         request.num_computed_tokens = 0
+        request.spec_token_ids.clear()
         request.status = RequestStatus.PREEMPTED
         # Back to the waiting queue in arrival order among the other waiting sequences.
         position = 0
@@ -167,24 +201,26 @@ class Scheduler:
 
     # -- after the step --
 
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[Request, tuple[int, TokenLogprobs | None]],
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[Request, SampledTokens],
                            pooled: dict[Request, bytes] | None = None) -> list[EngineCoreOutput]:
         """Apply one executed step: `sampled` maps each sequence whose known tokens were all
-        computed to its new token (and logprobs), `pooled` each pooling request whose prompt is now
-        computed to its vector (float32 bytes). Returns what each sequence produced."""
+        computed to its new token(s) (and logprobs), `pooled` each pooling request whose prompt is
+        now computed to its vector (float32 bytes). Returns what each sequence produced."""
         now = time.time()
         outputs: list[EngineCoreOutput] = []
         for chunk in out.chunks:
             request = chunk.request
-            request.num_computed_tokens = chunk.end
-            self.kv.cache_computed_blocks(request)
+            request.spec_token_ids.clear()  # verified in this step (or dropped by a preemption)
             group = request.group
             if group.first_scheduled_time is None:
                 group.first_scheduled_time = now
                 group.num_cached_tokens = max(request.num_cached_tokens, 0)
             if request.status.finished:  # aborted while the step ran (cannot happen in-process)
+                request.num_computed_tokens = chunk.end
                 continue
             if request.pooling is not None:
+                request.num_computed_tokens = chunk.end
+                self.kv.cache_computed_blocks(request)
                 vector = pooled.get(request) if pooled else None
                 if vector is not None:
                     request.finish_reason = RequestStatus.FINISHED_STOPPED.value
@@ -194,20 +230,33 @@ class Scheduler:
                     outputs.append(output)
                 continue
             result = sampled.get(request)
-            prompt_logprobs = self._take_prompt_logprobs(request)
             if result is None:
+                request.num_computed_tokens = chunk.end
+                self.kv.cache_computed_blocks(request)
+                prompt_logprobs = self._take_prompt_logprobs(request)
                 if prompt_logprobs is not None:
                     outputs.append(self._output(request, [], None, prompt_logprobs))
                 continue
-            token_id, logprobs = result
-            request.all_token_ids.append(token_id)
-            stop = check_stop(request, token_id, self.eos_token_ids, self.max_model_len)
+            num_known = request.num_tokens
+            stop = None
+            taken = 0
+            for token_id in result.token_ids:
+                request.all_token_ids.append(token_id)
+                taken += 1
+                stop = check_stop(request, token_id, self.eos_token_ids, self.max_model_len)
+                if stop is not None:
+                    break  # tokens after a stop are dropped
+            # Valid KV now: the known tokens and the accepted drafts among the new ones; the last
+            # new token is computed next step. Rejected drafts' slots are overwritten then.
+            request.num_computed_tokens = num_known + taken - 1
+            self.kv.cache_computed_blocks(request)
+            prompt_logprobs = self._take_prompt_logprobs(request)
             if stop is not None:
                 status, request.stop_reason = stop
                 request.finish_reason = status.value
                 self.finish(request, status)
-            outputs.append(self._output(request, [token_id], [logprobs] if logprobs else None,
-                                        prompt_logprobs))
+            logprobs = result.logprobs[:taken] if result.logprobs else None
+            outputs.append(self._output(request, result.token_ids[:taken], logprobs, prompt_logprobs))
         return outputs
 
     @staticmethod

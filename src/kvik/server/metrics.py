@@ -56,6 +56,18 @@ class _EngineCollector(Collector):
         yield counter("generation_tokens", "Tokens generated.", stats.generation_tokens)
         yield counter("num_preemptions", "Sequences preempted for lack of KV blocks.",
                       stats.num_preemptions)
+        yield counter("spec_decode_num_drafts", "Speculative verifications (steps of one sequence "
+                      "with at least one draft token).", stats.spec_decode_num_drafts)
+        yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.",
+                      stats.spec_decode_num_draft_tokens)
+        yield counter("spec_decode_num_accepted_tokens", "Draft tokens the target accepted.",
+                      stats.spec_decode_num_accepted_tokens)
+        per_position = CounterMetricFamily("kvik:spec_decode_num_accepted_tokens_per_pos",
+                                           "Draft tokens accepted, by position in the draft (0 = first).",
+                                           labels=["model_name", "position"])
+        for position, value in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
+            per_position.add_metric([self.model_name, str(position)], value)
+        yield per_position
 
 
 class ServerMetrics:
