@@ -8,7 +8,7 @@ import sys
 
 from kvik.bench.stats import SLO, RequestRecord, summarize
 from kvik.cli.main import main
-from tests.bench.conftest import free_port
+from tests.support.processes import free_port
 
 
 def test_the_load_generator_never_imports_torch():

@@ -15,6 +15,10 @@ from kvik.data.pii import scrub
      "In London dial <phone>, in Liverpool <phone>.", (0, 2, 0)),
     ("Server 192.168.1.20 talks to 8.8.8.8 and 2001:db8::8a2e:370:7334.",
      "Server <ip> talks to <ip> and <ip>.", (0, 0, 3)),
+    # Shared with the gateway's redaction (kvik.core.pii): underscores in the local part, an address
+    # ending a sentence, full-width digits, a "+" number written in one piece.
+    ("Reach john_doe@example.com at 10.0.0.1.", "Reach <email> at <ip>.", (1, 0, 1)),
+    ("Call \uff15\uff15\uff15-123-4567 or +441632960123 now.", "Call <phone> or <phone> now.", (0, 2, 0)),
 ])
 def test_pii_is_replaced(text: str, expected: str, counts: tuple[int, int, int]) -> None:
     result = scrub(text, PIIConfig())

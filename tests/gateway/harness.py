@@ -1,6 +1,7 @@
 """Real processes on 127.0.0.1 for the gateway tests (the fixtures in conftest.py build on these).
 
-- `ServerProcess`: any HTTP server started as a subprocess, ready once its health path answers 200.
+- `ServerProcess`, `free_port`, `wait_for`: from tests/support/processes.py (shared by every test
+  that starts a server).
 - `Upstream`: one replica. `upstream_command(port, name)` runs the fake OpenAI-compatible upstream
   (`fake_upstream.py`) unless KVIK_GATEWAY_TEST_UPSTREAM is `kvik-serve:MODEL_DIR`, which swaps in
   `kvik serve --model MODEL_DIR --port P --served-model-name NAME` (NAME is
@@ -19,34 +20,25 @@ import glob
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import yaml
+from tests.support.processes import KVIK, REPO, ServerProcess, free_port, serve_command, wait_for
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
-KVIK = [sys.executable, "-m", "kvik.cli.main"]
 ADMIN_KEY = "kvik-test-admin-secret"
 UPSTREAM_ENV = os.environ.get("KVIK_GATEWAY_TEST_UPSTREAM", "fake")
 FAKE = not UPSTREAM_ENV.startswith("kvik-serve:")
 # The model name the replicas serve (the fake answers to any name).
 UPSTREAM_MODEL = os.environ.get("KVIK_GATEWAY_TEST_UPSTREAM_MODEL", "tiny")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+STOP_TIMEOUT_S = 10.0  # SIGTERM to SIGKILL for the gateway tests' processes
 
 
 def require_fake() -> None:
@@ -56,82 +48,10 @@ def require_fake() -> None:
         pytest.skip("needs the fake upstream (KVIK_GATEWAY_TEST_UPSTREAM is set)")
 
 
-def wait_for(condition: Callable[[], bool], timeout: float = 15.0, interval: float = 0.1) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout} s")
-        time.sleep(interval)
-
-
 def missing_service(reason: str) -> None:
     if os.environ.get("KVIK_TEST_REQUIRE_SERVICES") == "1":
         pytest.fail(f"{reason} (KVIK_TEST_REQUIRE_SERVICES=1)")
     pytest.skip(reason)
-
-
-class ServerProcess:
-    """A server subprocess with its output in a log file; `start` waits until it answers."""
-
-    def __init__(self, argv: list[str], port: int, log_path: Path, *, env: dict[str, str] | None = None,
-                 health_path: str = "/health") -> None:
-        self.argv, self.port, self.log_path = argv, port, log_path
-        self.env = {**os.environ, **(env or {})}
-        self.health_path = health_path
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self, timeout: float = 60.0) -> ServerProcess:
-        self.launch()
-        return self.wait_ready(timeout)
-
-    def launch(self) -> None:
-        """Start the process without waiting (several servers can then load side by side)."""
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=REPO)
-        log.close()
-
-    def wait_ready(self, timeout: float = 60.0) -> ServerProcess:
-        assert self.proc is not None, "launch() first"
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.argv} exited with {self.proc.returncode}:\n{self.log_tail()}")
-            if self.ready():
-                return self
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"{self.argv} did not become ready in {timeout} s:\n{self.log_tail()}")
-
-    def ready(self) -> bool:
-        try:
-            return httpx.get(self.url + self.health_path, timeout=1.0).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    def kill9(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-    def log_tail(self, chars: int = 3000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
 
 
 def scrape_metric(url: str, name: str, *, headers: dict[str, str] | None = None, **labels: str) -> float:
@@ -150,9 +70,8 @@ def scrape_metric(url: str, name: str, *, headers: dict[str, str] | None = None,
 
 def kvik_serve_command(model_dir: str | Path, port: int, *, log_prompts: bool = False) -> list[str]:
     """`kvik serve` on 127.0.0.1, answering to UPSTREAM_MODEL, with a short context (tiny models)."""
-    argv = [*KVIK, "serve", "--model", str(model_dir), "--port", str(port), "--served-model-name",
-            UPSTREAM_MODEL, "--max-model-len", "512"]
-    return [*argv, "--log-prompts"] if log_prompts else argv
+    return serve_command(port, *(["--log-prompts"] if log_prompts else []), model_dir=model_dir,
+                         name=UPSTREAM_MODEL)
 
 
 def upstream_command(port: int, name: str) -> list[str]:
@@ -164,7 +83,8 @@ def upstream_command(port: int, name: str) -> list[str]:
 
 class Upstream(ServerProcess):
     def __init__(self, name: str, port: int, log_dir: Path) -> None:
-        super().__init__(upstream_command(port, name), port, log_dir / f"upstream-{name}-{port}.log")
+        super().__init__(upstream_command(port, name), port, log_dir / f"upstream-{name}-{port}.log",
+                         stop_timeout=STOP_TIMEOUT_S)
         self.name = name
 
     def restart(self) -> None:
@@ -187,7 +107,7 @@ class Upstream(ServerProcess):
 class Gateway(ServerProcess):
     def __init__(self, config_path: Path, port: int, log_path: Path, env: dict[str, str]) -> None:
         super().__init__([*KVIK, "gateway", "--config", str(config_path), "--port", str(port)], port, log_path,
-                         env=env)
+                         env=env, stop_timeout=STOP_TIMEOUT_S)
         self.config_path = config_path
 
     def client(self, key: str | None = None, timeout: float = 30.0) -> httpx.Client:
@@ -229,7 +149,8 @@ class KvikServe(ServerProcess):
         # these tests are about the gateway, not the kernel.
         super().__init__(kvik_serve_command(model_dir, port, log_prompts=True), port,
                          log_dir / f"kvik-serve-{name}-{port}.log",
-                         env={"OMP_NUM_THREADS": "1", "KVIK_CPU_KERNELS": "0"})
+                         env={"OMP_NUM_THREADS": "1", "KVIK_CPU_KERNELS": "0"}, model_name=UPSTREAM_MODEL,
+                         stop_timeout=STOP_TIMEOUT_S)
         self.name = name
 
     def warm_up(self, concurrency: int = 8) -> None:
@@ -299,7 +220,7 @@ class RedisServer(ServerProcess):
 
     def __init__(self, binary: str, port: int, workdir: Path) -> None:
         super().__init__([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                          "--dir", str(workdir)], port, workdir / "redis.log")
+                          "--dir", str(workdir)], port, workdir / "redis.log", stop_timeout=STOP_TIMEOUT_S)
 
     @property
     def url(self) -> str:

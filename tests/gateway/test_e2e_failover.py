@@ -68,7 +68,7 @@ def test_kill9_during_load_loses_no_request_and_the_breaker_opens_then_closes(
     try:
         responses = asyncio.run(load(gateway.url, 100, 8, 25, victim.kill9))
     except httpx.HTTPError:
-        exits = {p.url: p.proc.poll() for p in (gateway, alive, victim) if p.proc is not None}
+        exits = {p.url: p.process.poll() for p in (gateway, alive, victim) if p.process is not None}
         raise AssertionError(f"exit codes: {exits}\n{gateway.log_tail()}") from None
     statuses = [r.status_code for r in responses]
     assert statuses == [200] * 100, [(r.status_code, r.text) for r in responses if r.status_code != 200]

@@ -382,8 +382,8 @@ def test_kill9_of_a_replicas_engine_process_fails_over(gateway: Gateway, key: st
     alive, victim = replicas
     wait_for(lambda: all(r["healthy"] and r["breaker"] == "closed" for r in gateway.replicas().values()),
              timeout=60)
-    assert victim.proc is not None
-    engines = [child for child in psutil.Process(victim.proc.pid).children()
+    assert victim.process is not None
+    engines = [child for child in psutil.Process(victim.process.pid).children()
                if any("libtorch" in m.path for m in child.memory_maps())]
     assert len(engines) == 1, [child.cmdline() for child in engines]
     bodies = [chat("tiny", f"engine death {i}", max_tokens=32) for i in range(60)]
@@ -393,5 +393,5 @@ def test_kill9_of_a_replicas_engine_process_fails_over(gateway: Gateway, key: st
 
     assert [r.status_code for r in responses] == [200] * 60, \
         [(r.status_code, r.text) for r in responses if r.status_code != 200]
-    assert victim.proc.wait(timeout=30) == 1  # exits non-zero, so a supervisor restarts it
+    assert victim.process.wait(timeout=30) == 1  # exits non-zero, so a supervisor restarts it
     print(f"\nengine kill: 60/60 answered in {elapsed:.1f} s; the replica exited with status 1")

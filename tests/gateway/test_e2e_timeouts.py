@@ -36,13 +36,13 @@ def replicas(workdir: Path) -> Iterator[list[Upstream]]:
 
 
 def stop(upstream: Upstream) -> None:
-    assert upstream.proc is not None
-    os.kill(upstream.proc.pid, signal.SIGSTOP)
+    assert upstream.process is not None
+    os.kill(upstream.process.pid, signal.SIGSTOP)
 
 
 def resume(upstream: Upstream) -> None:
-    if upstream.proc is not None and upstream.proc.poll() is None:
-        os.kill(upstream.proc.pid, signal.SIGCONT)
+    if upstream.process is not None and upstream.process.poll() is None:
+        os.kill(upstream.process.pid, signal.SIGCONT)
 
 
 def start(gateways: GatewayFactory, replicas: list[Upstream], name: str, **settings: object) -> Gateway:

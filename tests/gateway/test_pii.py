@@ -12,6 +12,7 @@ REDACTOR = PiiRedactor(PiiConfig(enabled=True, patterns=[{"name": "employee_id",
 
 @pytest.mark.parametrize(("text", "expected"), [
     ("write to alice.smith+x@mail.example.co.uk now", "write to [EMAIL] now"),
+    ("or john_doe@example.com", "or [EMAIL]"),
     ("card 4111 1111 1111 1111 ok", "card [CARD] ok"),
     ("card 4111-1111-1111-1111", "card [CARD]"),
     ("amex 378282246310005.", "amex [CARD]."),

@@ -6,49 +6,23 @@ the same items."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
-from tests.server.conftest import free_port
+from tests.support.processes import KVIK, ServerProcess, free_port
 
 from kvik.core.comparisons import read_comparisons
 
 
-def _start(model: Path, prompts: Path, output: Path, log: Path) -> tuple[subprocess.Popen, str]:
+def _start(model: Path, prompts: Path, output: Path, log: Path) -> ServerProcess:
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    command = [sys.executable, "-m", "kvik.cli.main", "label", "--model", str(model), "--prompts",
-               str(prompts), "--output", str(output), "--port", str(port), "--max-tokens", "12",
-               "--device", "cpu"]
-    process = subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(log.read_text())
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    process.kill()
-    raise RuntimeError(f"kvik label not ready:\n{log.read_text()}")
-
-
-def _stop(process: subprocess.Popen) -> None:
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+    command = [*KVIK, "label", "--model", str(model), "--prompts", str(prompts), "--output", str(output),
+               "--port", str(port), "--max-tokens", "12", "--device", "cpu"]
+    return ServerProcess(command, port, log, env={"OMP_NUM_THREADS": "1"}).start(timeout=120)
 
 
 def _assert_error(response: httpx.Response, status: int, param: str | None = None) -> None:
@@ -63,7 +37,8 @@ def test_label_page_records_choices_of_two_annotators(tiny_llama: Path, tmp_path
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"Tell me about item {i}."}) + "\n" for i in range(3)))
     output = tmp_path / "comparisons.jsonl"
-    process, url = _start(tiny_llama, prompts, output, tmp_path / "label.log")
+    label = _start(tiny_llama, prompts, output, tmp_path / "label.log")
+    url = label.url
     try:
         page = httpx.get(url + "/")
         assert page.status_code == 200 and "text/html" in page.headers["content-type"]
@@ -111,7 +86,7 @@ def test_label_page_records_choices_of_two_annotators(tiny_llama: Path, tmp_path
         _assert_error(httpx.get(url + "/api/next", params={"annotator": ""}), 400, "annotator")
         _assert_error(httpx.get(url + "/static/../labeling.py"), 404)
     finally:
-        _stop(process)
+        label.stop()
 
     items = read_comparisons(output)
     assert [item.id for item in items] == seen[:3]
@@ -122,10 +97,11 @@ def test_label_page_records_choices_of_two_annotators(tiny_llama: Path, tmp_path
     assert agreement.returncode == 0 and "alice / bob" in agreement.stdout
 
     # A restart on the same file continues: the same items, carol starts at the first.
-    process, url = _start(tiny_llama, prompts, output, tmp_path / "label2.log")
+    label = _start(tiny_llama, prompts, output, tmp_path / "label2.log")
+    url = label.url
     try:
         item = httpx.get(url + "/api/next", params={"annotator": "carol"}, timeout=60).json()
         assert item["id"] == seen[0]
         _assert_error(httpx.get(url + "/api/next", params={"annotator": "alice"}, timeout=60), 404)
     finally:
-        _stop(process)
+        label.stop()
