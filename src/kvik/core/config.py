@@ -16,6 +16,7 @@ from kvik.core.errors import ConfigError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass(slots=True)
@@ -37,6 +38,8 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     threads: int | None = None  # CPU intra-op threads; default: torch's choice
     show_progress: bool = True  # progress bar while loading weights
+    # fcfs: arrival order. priority: requests' `priority` tiers, then fair share between tenants.
+    scheduling_policy: str = "priority"
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_memory, str):  # the Python API takes the CLI's sizes too
@@ -70,6 +73,9 @@ class EngineArgs:
                 raise ConfigError(f"{name}: must be at least 1, got {value}")
         if self.kv_cache_fraction is not None and not 0 < self.kv_cache_fraction <= 1:
             raise ConfigError(f"kv_cache_fraction: must be in (0, 1], got {self.kv_cache_fraction}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ConfigError(f"scheduling_policy: {self.scheduling_policy!r} is not one of "
+                              f"{', '.join(SCHEDULING_POLICIES)}")
         if self.kv_cache_memory is not None and self.kv_cache_fraction is not None:
             raise ConfigError("kv_cache_memory and kv_cache_fraction: give one, not both")
 
@@ -85,10 +91,16 @@ class EngineArgs:
     # -- command-line integration, shared by `kvik serve`, `kvik generate` and `kvik bench` --
 
     @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser, *, model_required: bool = False) -> None:
+    def add_cli_args(parser: argparse.ArgumentParser, *, model_required: bool = False,
+                     several_models: bool = False) -> None:
         group = parser.add_argument_group("engine")
-        group.add_argument("--model", required=model_required, default=None,
-                           help="model directory in HF format, or a hub id to download")
+        if several_models:  # `kvik serve`: --model NAME=PATH, repeated, serves several models
+            group.add_argument("--model", required=model_required, default=None, action="append",
+                               help="model directory in HF format, or a hub id to download; repeat as "
+                                    "--model NAME=DIR to serve several models, loaded on demand")
+        else:
+            group.add_argument("--model", required=model_required, default=None,
+                               help="model directory in HF format, or a hub id to download")
         group.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
         group.add_argument("--revision", default=None, help="hub revision for a hub id")
         group.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
@@ -112,6 +124,10 @@ class EngineArgs:
         group.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
                            help="schedule each prompt whole (needs a token budget >= max-model-len)")
         group.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+        group.add_argument("--scheduling-policy", default="priority", choices=SCHEDULING_POLICIES,
+                           help="priority (default): requests' `priority` first (lower is served "
+                                "first; better tiers preempt worse ones), then fair share of tokens "
+                                "between tenants; fcfs: arrival order only")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, default_model: str | None = None) -> EngineArgs:
@@ -127,7 +143,7 @@ _FIELD_TYPES: dict[str, Any] = {
     "model": str, "tokenizer": str, "revision": str, "device": str, "dtype": str, "seed": int,
     "max_model_len": int, "block_size": int, "kv_cache_memory": int, "kv_cache_fraction": (int, float),
     "max_num_seqs": int, "max_num_batched_tokens": int, "enable_prefix_caching": bool,
-    "enable_chunked_prefill": bool, "threads": int, "show_progress": bool,
+    "enable_chunked_prefill": bool, "threads": int, "show_progress": bool, "scheduling_policy": str,
 }
 _TYPE_NAMES = {str: "a string", int: "an integer", bool: "true or false"}
 

@@ -29,6 +29,7 @@ from kvik.engine.model_runner import ModelRunner
 from kvik.engine.request import Request, RequestGroup, RequestStatus
 from kvik.engine.sampler import Sampler, prompt_logprobs_for
 from kvik.engine.scheduler import Scheduler
+from kvik.engine.scheduling_policy import make_policy
 from kvik.model.loader import load_model, load_model_config, resolve_model_path
 from kvik.model.layers.cpu_kernels import cpu_kernels
 from kvik.model.transforms.cpu_fused_ops import enable_cpu_fused_ops
@@ -81,7 +82,8 @@ class EngineCore:
         self.eos_token_ids = list(dict.fromkeys(cfg.eos_token_ids + spec_eos))
         self.scheduler = Scheduler(self.kv, args.max_num_seqs, self.max_num_batched_tokens,
                                    args.enable_chunked_prefill, eos_token_ids=frozenset(self.eos_token_ids),
-                                   max_model_len=self.max_model_len)
+                                   max_model_len=self.max_model_len,
+                                   policy=make_policy(args.scheduling_policy))
         self.sampler = Sampler(cfg.vocab_size, self.eos_token_ids, self.device, seed=args.seed)
         self.groups: dict[str, RequestGroup] = {}
         self._arrival_counter = itertools.count()
@@ -144,6 +146,7 @@ class EngineCore:
             num_blocks = cap
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", num_blocks, args.block_size,
                     num_blocks * per_block / 2**20)
+        self.kv_cache_bytes = num_blocks * per_block
         return num_blocks
 
     def info(self) -> EngineInfo:
@@ -153,7 +156,8 @@ class EngineCore:
             eos_token_ids=list(self.eos_token_ids), num_kv_blocks=self.kv.pool.num_blocks,
             block_size=self.args.block_size, max_num_seqs=self.args.max_num_seqs,
             device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
-            weight_bytes=self.weight_bytes, tokenizer=self.tokenizer_spec)
+            weight_bytes=self.weight_bytes, tokenizer=self.tokenizer_spec,
+            kv_cache_bytes=self.kv_cache_bytes)
 
     def warm_up(self) -> None:
         """One forward through every layer: the first step pays for lazy initialisation (allocator,
@@ -180,7 +184,8 @@ class EngineCore:
         max_tokens = min(request.max_tokens, self.max_model_len - len(token_ids))
         group = RequestGroup(request_id, list(token_ids), params, request.arrival_time,
                              cache_salt=request.cache_salt.encode() if request.cache_salt else b"",
-                             salt_from_token=request.salt_from_token)
+                             salt_from_token=request.salt_from_token, priority=request.priority,
+                             tenant=request.tenant, tenant_weight=request.tenant_weight)
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None]
         for index in range(params.n):
@@ -261,4 +266,12 @@ class EngineCore:
             num_free_blocks=self.kv.num_free_blocks(), prefix_cache_queries=self.kv.prefix_cache_queries,
             prefix_cache_hits=self.kv.prefix_cache_hits, num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens=self.prompt_tokens_total, generation_tokens=self.generation_tokens_total,
+            preemptions_by_priority=dict(self.scheduler.num_preemptions_by_priority),
+            waiting_by_priority=self._waiting_by_priority(),
         )
+
+    def _waiting_by_priority(self) -> dict[int, int]:
+        counts: dict[int, int] = {}
+        for request in self.scheduler.waiting:
+            counts[request.group.priority] = counts.get(request.group.priority, 0) + 1
+        return counts

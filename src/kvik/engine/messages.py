@@ -32,6 +32,11 @@ class EngineCoreRequest(msgspec.Struct, tag="add", omit_defaults=True):
     # them; blocks inside the leading system prompt stay shared.
     cache_salt: str | None = None
     salt_from_token: int = 0
+    # Scheduling (`kvik.engine.scheduling_policy`): vLLM's priority (lower is served first), and the
+    # tenant whose fair share of tokens this request counts against, with the tenant's weight.
+    priority: int = 0
+    tenant: str = ""
+    tenant_weight: float = 1.0
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -94,6 +99,9 @@ class EngineStats(msgspec.Struct):
     num_preemptions: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    # Per priority value (tiers): sequences preempted, and sequences waiting now.
+    preemptions_by_priority: dict[int, int] = msgspec.field(default_factory=dict)
+    waiting_by_priority: dict[int, int] = msgspec.field(default_factory=dict)
 
 
 class UtilityResult(msgspec.Struct, array_like=True):
@@ -123,6 +131,7 @@ class EngineInfo(msgspec.Struct, tag="info"):
     dtype: str
     weight_bytes: int
     tokenizer: TokenizerSpec
+    kv_cache_bytes: int = 0  # the KV cache's allocation (weights + this = the model's footprint)
 
 
 class StartupFailed(msgspec.Struct, tag="failed"):

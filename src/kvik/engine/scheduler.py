@@ -2,13 +2,16 @@
 
 There is no prefill phase and no decode phase: every step hands each sequence up to
 `num_tokens - num_computed_tokens` new tokens from a shared budget (`max_num_batched_tokens`), running
-sequences first, then waiting ones in arrival order (FCFS) while `max_num_seqs` allows. A long prompt
+sequences first, then waiting ones in the policy's order while `max_num_seqs` allows. A long prompt
 takes what is left of the budget and continues next step (chunked prefill). When blocks run out, the
-most recently arrived running sequence is preempted: its blocks are freed and it goes back to the
-front of the waiting queue to be recomputed later (its sampled tokens are kept, so no token changes).
+last running sequence in the policy's order is preempted: its blocks are freed and it goes back to
+the waiting queue at its arrival position to be recomputed later (its sampled tokens are kept, so no
+token changes).
 
-The queue policy is one method (`_admission_order`), kept separate so priorities can replace FCFS;
-`ScheduledChunk` carries the token count and the block ids per sequence, so the model runner never
+The queue policy (`kvik.engine.scheduling_policy`: FCFS, or priority tiers with fair share between
+tenants) decides the admission order, the preemption order, and whether a waiting sequence may
+displace a running one (preempt it for a slot or blocks, or defer its chunk for budget); the
+scheduler only asks it at those points and reports tokens served to it. `ScheduledChunk` carries the token count and the block ids per sequence, so the model runner never
 reads the KV manager; speculative tokens and LoRA or grammar state would ride along there too.
 
 After the model ran, `update_from_output` owns the bookkeeping: it advances `num_computed_tokens`,
@@ -19,12 +22,14 @@ stop conditions and returns one `EngineCoreOutput` per sequence that produced so
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from kvik.engine.kv_manager import KVCacheManager
 from kvik.engine.messages import EngineCoreOutput, TokenLogprobs
 from kvik.engine.request import Request, RequestStatus, check_stop
+from kvik.engine.scheduling_policy import FcfsPolicy
 
 
 @dataclass(slots=True)
@@ -61,8 +66,9 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True, *, eos_token_ids: frozenset[int] = frozenset(),
-                 max_model_len: int = 2**31) -> None:
+                 max_model_len: int = 2**31, policy: FcfsPolicy | None = None) -> None:
         self.kv = kv
+        self.policy = policy or FcfsPolicy()
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -71,9 +77,11 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_preemptions_by_priority: Counter[int] = Counter()
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
+        self.policy.on_add(request)
 
     @property
     def num_unfinished(self) -> int:
@@ -88,6 +96,7 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        self.running.sort(key=self.policy.running_key)  # the last is the first to give way
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -105,23 +114,27 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         for request in self._admission_order():
-            if budget <= 0 or len(self.running) >= self.max_num_seqs:
-                return
             leader = request.wait_for_prompt_of
             if leader is not None and not self._prompt_computed(leader):
                 continue  # a sibling of an n>1 request: admitted once the prompt's blocks are cached
             request.wait_for_prompt_of = None
             hit = self.kv.find_cached_prefix(request) if request.num_computed_tokens == 0 else None
             hit_tokens = hit.num_blocks * self.kv.block_size if hit else 0
-            num_new = request.num_tokens - request.num_computed_tokens - hit_tokens
-            if num_new > budget and not self.enable_chunked_prefill:
-                return
-            num_new = min(num_new, budget)
-            if not self.kv.allocate_slots(request, num_new, hit):
-                return  # FCFS: nobody overtakes the head of the queue for blocks
+            num_wanted = request.num_tokens - request.num_computed_tokens - hit_tokens
+            room = self._make_room(request, out, budget, num_wanted)
+            if room is None:
+                return  # nobody overtakes the head of the queue
+            budget = room
+            num_new = min(num_wanted, budget)
+            while not self.kv.allocate_slots(request, num_new, hit):
+                freed = self._preempt_for(request, out)
+                if freed is None:
+                    return  # nobody overtakes the head of the queue for blocks
+                budget += freed
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = hit_tokens
                 self.kv.record_prefix_query(request.num_tokens, hit_tokens)
+            self.policy.on_admit(request, max(0, request.num_prompt_tokens - hit_tokens))
             request.num_computed_tokens += hit_tokens
             self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
@@ -130,9 +143,55 @@ class Scheduler:
                                              self.kv.block_ids(request)))
             budget -= num_new
 
-    def _admission_order(self) -> list[Request]:
-        """FCFS. Preempted sequences were put back at the front, in arrival order."""
-        return list(self.waiting)
+    def _admission_order(self) -> Iterator[Request]:
+        """The policy's order; lazily, since admitting one request may change who is next."""
+        return self.policy.admission_order(self.waiting)
+
+    # -- displacement: a waiting sequence taking the place of running ones the policy ranks lower --
+
+    def _make_room(self, request: Request, out: SchedulerOutput, budget: int, num_wanted: int) -> int | None:
+        """A batch slot and token budget for `request`, displacing what the policy allows; the
+        budget it may use, or None if it cannot be admitted this step."""
+        while len(self.running) >= self.max_num_seqs:
+            freed = self._preempt_for(request, out)
+            if freed is None:
+                return None
+            budget += freed
+        if budget < num_wanted:
+            budget += self._defer_for(request, out, num_wanted - budget)
+        if budget <= 0 or (num_wanted > budget and not self.enable_chunked_prefill):
+            return None
+        return budget
+
+    def _preempt_for(self, request: Request, out: SchedulerOutput) -> int | None:
+        """Preempt the running sequence the policy ranks last, if `request` may displace it; the
+        budget its chunk held this step, or None when nothing may be displaced."""
+        if not self.running:
+            return None
+        victim = max(self.running, key=self.policy.running_key)
+        if not self.policy.may_displace(request, victim):
+            return None
+        freed = self._unschedule(victim, out)
+        self._preempt(victim, out)
+        return freed
+
+    def _defer_for(self, request: Request, out: SchedulerOutput, needed: int) -> int:
+        """Push chunks of running sequences `request` may displace to the next step (they keep their
+        blocks), lowest ranked first, until `needed` tokens of budget are free; the budget freed."""
+        freed = 0
+        for chunk in sorted(out.chunks, key=lambda c: self.policy.running_key(c.request), reverse=True):
+            if freed >= needed or not self.policy.may_displace(request, chunk.request):
+                break
+            freed += self._unschedule(chunk.request, out)
+        return freed
+
+    @staticmethod
+    def _unschedule(request: Request, out: SchedulerOutput) -> int:
+        for position, chunk in enumerate(out.chunks):
+            if chunk.request is request:
+                del out.chunks[position]
+                return chunk.num_new_tokens
+        return 0
 
     @staticmethod
     def _prompt_computed(leader: Request) -> bool:
@@ -150,9 +209,12 @@ class Scheduler:
         self.waiting.insert(position, request)
         out.preempted.append(request)
         self.num_preemptions += 1
+        self.num_preemptions_by_priority[request.group.priority] += 1
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Remove a sequence (finished or aborted) and free its blocks at once."""
+        if not request.status.finished:
+            self.policy.on_leave(request)
         request.status = status
         if request in self.running:
             self.running.remove(request)
@@ -189,6 +251,7 @@ class Scheduler:
                 continue
             token_id, logprobs = result
             request.all_token_ids.append(token_id)
+            self.policy.on_output(request, 1)
             stop = check_stop(request, token_id, self.eos_token_ids, self.max_model_len)
             if stop is not None:
                 status, request.stop_reason = stop

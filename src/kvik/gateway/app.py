@@ -13,7 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvik.core.errors import InvalidRequestError, KvikError, NotFoundError
 from kvik.gateway.config import GatewayConfig
-from kvik.gateway.routes import admin, admin_console, conversations, openai, ops
+from kvik.gateway.routes import admin, admin_console, batches, conversations, openai, ops, tenancy
 from kvik.gateway.serving import ProxyService
 from kvik.gateway.state import GatewayState
 from kvik.protocol.errors import error_body, error_from_exception
@@ -39,6 +39,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.include_router(ops.router)
     app.include_router(admin_console.router)
     app.include_router(conversations.router)
+    app.include_router(tenancy.router)
+    app.include_router(batches.router)
     install_web(app, PageConfig(product="gateway", conversations="server", console=True))
 
     @app.exception_handler(KvikError)

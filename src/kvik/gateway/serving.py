@@ -104,7 +104,8 @@ class ProxyService:
         headers = {"x-request-id": log.request_id,
                    "x-kvik-cache": "miss" if cache_key is not None else "bypass"}
 
-        upstream_body = {**body, "model": pool.upstream_model}
+        # Scheduling fields come from the key, never from the client (kvik.gateway.tenancy).
+        upstream_body = {**body, "model": pool.upstream_model, **await state.tenancy.request_fields(log.principal)}
         client_wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         if log.stream and not client_wants_usage:
             # Ask for the usage chunk so TPM and usage rows count streamed tokens; the relay drops

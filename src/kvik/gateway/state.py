@@ -27,6 +27,7 @@ from kvik.gateway.ratelimit.redis import RedisCounters
 from kvik.gateway.retry_budget import RetryBudget
 from kvik.gateway.router import ModelRouter
 from kvik.gateway.storage.database import Database, open_database
+from kvik.gateway.tenancy import TenancyStore
 from kvik.gateway.usage import UsageRecorder
 
 
@@ -47,6 +48,7 @@ class GatewayState:
     prober: HealthProber
     proxy: UpstreamProxy
     redis: Any | None  # redis.asyncio.Redis shared by the limiter and the cache
+    tenancy: TenancyStore  # each key's priority tier and fair-share weight
 
     @classmethod
     async def start(cls, config: GatewayConfig) -> GatewayState:
@@ -73,6 +75,7 @@ class GatewayState:
             prober=HealthProber(router.all_replicas(), config.health, client),
             proxy=UpstreamProxy(client, config.retries.max_attempts, RetryBudget(config.retries), metrics),
             redis=redis,
+            tenancy=TenancyStore(db, config.scheduling, config.auth.key_cache_ttl_s),
         )
         state.usage.start()
         state.prober.start()

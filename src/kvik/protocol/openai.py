@@ -75,6 +75,12 @@ class _SamplingFields(_Request):
     # Prefix-cache isolation: requests share cached prompt blocks (past the leading system prompt)
     # only with requests carrying the same salt. The gateway sets it per tenant.
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
+    # Scheduling (vLLM's `priority`: lower is served first; kvik's `tenant` and `tenant_weight`: the
+    # fair-share group and its weight). Trusted like every field from whoever holds the server's
+    # key; the gateway overwrites all three from the caller's API key, so its clients cannot set them.
+    priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
+    tenant: str | None = Field(default=None, min_length=1, max_length=256)
+    tenant_weight: float = Field(default=1.0, gt=0, le=1000)
 
     @field_validator("stop")
     @classmethod

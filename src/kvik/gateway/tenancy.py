@@ -1,0 +1,81 @@
+"""Priority tiers and fair-share weights of API keys, and what the gateway tells the server.
+
+Every key is in a tier (`scheduling.tiers` in the config: name -> priority; keys without one are in
+`scheduling.default_tier`) and has a weight for fair share within its tier (1 = an equal share). On
+every proxied request the gateway overwrites the body's `priority`, `tenant` (the key id) and
+`tenant_weight`, so a client can neither raise its own priority nor pose as another tenant; the
+server trusts those fields from the gateway, which holds its API key.
+
+Stored in `key_scheduling` (migration 4), read through a short cache like the keys themselves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from kvik.core.errors import InvalidRequestError
+from kvik.gateway.auth import Principal
+from kvik.gateway.config import SchedulingConfig
+from kvik.gateway.storage.database import Database
+
+MAX_WEIGHT = 1000.0
+ANONYMOUS_TENANT = "anonymous"
+
+
+@dataclass(slots=True, frozen=True)
+class KeyScheduling:
+    tier: str
+    weight: float = 1.0
+
+    def to_public_dict(self, priority: int) -> dict[str, Any]:
+        return {"tier": self.tier, "weight": self.weight, "priority": priority}
+
+
+class TenancyStore:
+    def __init__(self, db: Database, config: SchedulingConfig, cache_ttl_s: float = 5.0) -> None:
+        self._db = db
+        self.config = config
+        self._ttl = cache_ttl_s
+        self._cache: dict[str, tuple[float, KeyScheduling]] = {}
+
+    def default(self) -> KeyScheduling:
+        return KeyScheduling(self.config.default_tier)
+
+    def get(self, key_id: str) -> KeyScheduling:
+        row = self._db.fetchone("SELECT tier, weight FROM key_scheduling WHERE key_id = ?", (key_id,))
+        if row is None or row["tier"] not in self.config.tiers:  # a tier removed from the config
+            return self.default()
+        return KeyScheduling(row["tier"], float(row["weight"]))
+
+    def set(self, key_id: str, tier: str, weight: float) -> KeyScheduling:
+        if tier not in self.config.tiers:
+            raise InvalidRequestError(f"tier: {tier!r} is not one of {', '.join(self.config.tiers)}", param="tier")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight <= MAX_WEIGHT:
+            raise InvalidRequestError(f"weight: give a number in (0, {MAX_WEIGHT:g}]", param="weight")
+        with self._db.transaction():
+            self._db.execute("DELETE FROM key_scheduling WHERE key_id = ?", (key_id,))
+            self._db.execute("INSERT INTO key_scheduling (key_id, tier, weight, updated_at) VALUES (?, ?, ?, ?)",
+                             (key_id, tier, float(weight), time.time()))
+        self._cache.pop(key_id, None)
+        return KeyScheduling(tier, float(weight))
+
+    async def lookup(self, key_id: str) -> KeyScheduling:
+        now = time.monotonic()
+        cached = self._cache.get(key_id)
+        if cached is not None and cached[0] > now:
+            return cached[1]
+        found = await asyncio.to_thread(self.get, key_id)
+        if len(self._cache) > 10_000:
+            self._cache.clear()
+        self._cache[key_id] = (now + self._ttl, found)
+        return found
+
+    async def request_fields(self, principal: Principal) -> dict[str, Any]:
+        """The scheduling fields of a proxied request body, from the caller's key."""
+        key_id = principal.key_id
+        scheduling = self.default() if key_id is None else await self.lookup(key_id)
+        return {"priority": self.config.tiers[scheduling.tier], "tenant": key_id or ANONYMOUS_TENANT,
+                "tenant_weight": scheduling.weight}
