@@ -89,10 +89,15 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--tokenizer-workers must be >= 0; --tokenizer-timeout and --body-read-timeout > 0")
     entries = _model_entries(args.model or [])
     several = len(entries) > 1
+    if several and entries[0][0] is None and args.served_model_name and len(args.served_model_name) == 1:
+        entries[0] = (args.served_model_name[0], entries[0][1])  # --model DIR --served-model-name NAME
+        args.served_model_name = None
     if several and not all(name for name, _ in entries):
         raise ConfigError("--model: to serve several models name each one: --model NAME=DIR --model NAME2=DIR2")
     if several and args.served_model_name:
         raise ConfigError("--served-model-name: with several models the names come from --model NAME=DIR")
+    if several and len({name for name, _ in entries}) != len(entries):
+        raise ConfigError("--model: two models have the same name")
     first_name, args.model = entries[0] if entries else (None, None)
     engine_args = EngineArgs.from_cli_args(args, default_model=args.model or demo_model_path())
     if several:

@@ -136,7 +136,11 @@ class BatchService:
         input_file_id = body.get("input_file_id")
         if not isinstance(input_file_id, str):
             raise InvalidRequestError("input_file_id: give the id of an uploaded file", param="input_file_id")
-        file_row = await self.get_file(caller, input_file_id, content=True)
+        try:
+            file_row = await self.get_file(caller, input_file_id, content=True)
+        except NotFoundError as exc:
+            exc.param = "input_file_id"
+            raise
         if file_row["purpose"] != "batch":
             raise InvalidRequestError(f"input_file_id: file {input_file_id!r} has purpose {file_row['purpose']!r}; "
                                       "upload the input with purpose 'batch'", param="input_file_id")
