@@ -43,7 +43,7 @@ class BatchProxy:
                 state.metrics.rate_limited.labels("budget").inc()
                 raise
             await state.limiter.admit(principal)
-        fields = await state.tenancy.request_fields(principal)
+        fields = await state.tenancy.key_fields(principal)
         headers = {"x-kvik-tenant": fields["tenant"], "x-kvik-tenant-weight": str(fields["tenant_weight"]),
                    "accept-encoding": "identity"}
         if content_type:

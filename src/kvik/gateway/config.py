@@ -189,6 +189,9 @@ class SchedulingConfig(_Section):
     # `default_tier`. The tenant the server shares capacity by is the key's id.
     tiers: dict[str, int] = Field(default_factory=lambda: dict(DEFAULT_TIERS))
     default_tier: str = "standard"
+    # Send `priority`, `tenant` and `tenant_weight` upstream; turn off when the replicas are not kvik
+    # servers (OpenAI's own API refuses fields it does not know).
+    send_fields: bool = True
 
     @model_validator(mode="after")
     def _default_known(self) -> SchedulingConfig:

@@ -74,7 +74,13 @@ class TenancyStore:
         return found
 
     async def request_fields(self, principal: Principal) -> dict[str, Any]:
-        """The scheduling fields of a proxied request body, from the caller's key."""
+        """The scheduling fields of a proxied request body, from the caller's key (none when
+        `scheduling.send_fields` is off)."""
+        if not self.config.send_fields:
+            return {}
+        return await self.key_fields(principal)
+
+    async def key_fields(self, principal: Principal) -> dict[str, Any]:
         key_id = principal.key_id
         scheduling = self.default() if key_id is None else await self.lookup(key_id)
         return {"priority": self.config.tiers[scheduling.tier], "tenant": key_id or ANONYMOUS_TENANT,
