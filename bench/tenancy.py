@@ -73,16 +73,23 @@ class Server:
 
 
 async def stream_ttft(client: httpx.AsyncClient, url: str, body: dict) -> float:
-    started = time.perf_counter()
+    """Seconds from sending to the first token of a streamed completion (read to the end)."""
+    started, ttft = time.perf_counter(), None
     async with client.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
-            if line.startswith("data: ") and '"text"' in line:
+            if ttft is None and line.startswith("data: ") and '"text"' in line:
                 ttft = time.perf_counter() - started
-                async for _ in response.aiter_lines():
-                    pass
-                return ttft
-    raise RuntimeError("no token came back")
+    if ttft is None:
+        raise RuntimeError("no token came back")
+    return ttft
+
+
+def successes(results: list) -> list[float]:
+    failures = [r for r in results if not isinstance(r, float)]
+    if failures:
+        print(f"  {len(failures)} interactive request(s) failed: {failures[0]!r}", file=sys.stderr)
+    return [r for r in results if isinstance(r, float)]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -108,9 +115,8 @@ async def tiers(server: Server, args: argparse.Namespace) -> dict:
     background = {"model": "m", "prompt": prompt * 4, "max_tokens": args.max_tokens, "ignore_eos": True,
                   "priority": PRIORITY["background"], "tenant": "bulk"}
     async with httpx.AsyncClient(timeout=3600, limits=httpx.Limits(max_connections=None)) as client:
-        unloaded = [t for t in await periodic(args.interactive_rate, args.seconds / 2,
-                                              lambda: stream_ttft(client, server.url, interactive))
-                    if isinstance(t, float)]
+        unloaded = successes(await periodic(args.interactive_rate, args.seconds / 2,
+                                            lambda: stream_ttft(client, server.url, interactive)))
         lines = [{"custom_id": f"l{i}", "method": "POST", "url": "/v1/completions",
                   "body": {**background, "tenant": None, "priority": 0}} for i in range(args.batch_lines)]
         content = ("\n".join(json.dumps(line) for line in lines) + "\n").encode()
@@ -121,9 +127,8 @@ async def tiers(server: Server, args: argparse.Namespace) -> dict:
         background_tasks = asyncio.ensure_future(periodic(
             args.background_rate, args.seconds, lambda: client.post(f"{server.url}/v1/completions", json=background)))
         await asyncio.sleep(2.0)  # let the queue build
-        loaded = [t for t in await periodic(args.interactive_rate, args.seconds - 2,
-                                            lambda: stream_ttft(client, server.url, interactive))
-                  if isinstance(t, float)]
+        loaded = successes(await periodic(args.interactive_rate, args.seconds - 2,
+                                          lambda: stream_ttft(client, server.url, interactive)))
         load_stopped = time.perf_counter()
         results = await background_tasks
         finished = sum(1 for r in results if isinstance(r, httpx.Response) and r.status_code == 200)
