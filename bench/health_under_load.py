@@ -5,7 +5,7 @@ its own process) against the engine in its own process, in one run.
 
     python bench/health_under_load.py [--concurrency 64] [--max-tokens 200] [--seconds 10]
 
-For each layout it starts `kvik serve` on 127.0.0.1 with a small random Llama whose context is
+For each layout it starts `kvik serve` on 127.0.0.1 with the tiny random Llama whose context is
 stretched to 4M tokens (so a 5 MB prompt is really tokenized rather than refused by its size) and
 measures, each phase for `--seconds`:
 - idle: /health every 50 ms, and a 2-token completion every 250 ms;
@@ -44,7 +44,7 @@ def free_port() -> int:
 def long_context_model(root: Path) -> Path:
     from kvik.model.make_model import make_model
 
-    path = make_model(root / "small", "llama", "small")
+    path = make_model(root / "tiny", "llama", "tiny")
     config = json.loads((path / "config.json").read_text())
     config["max_position_embeddings"] = LONG_CONTEXT
     (path / "config.json").write_text(json.dumps(config))
@@ -139,7 +139,7 @@ def run_layout(model: Path, extra: list[str], args: argparse.Namespace) -> dict[
     base = f"http://127.0.0.1:{port}"
     server = subprocess.Popen([sys.executable, "-m", "kvik.cli.main", "serve", "--model", str(model),
                                "--port", str(port), "--served-model-name", "m", "--log-level", "warning",
-                               "--kv-cache-memory", "3GiB", "--max-body-bytes", str(64 * 2**20), *extra])
+                               "--kv-cache-memory", "2200MiB", "--max-body-bytes", str(64 * 2**20), *extra])
     try:
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:

@@ -17,13 +17,16 @@ _LAZY = {
     "SamplingParams": "kvik.core.sampling_params",
     "RequestOutput": "kvik.core.outputs",
     "CompletionOutput": "kvik.core.outputs",
+    "PoolingParams": "kvik.core.pooling_params",
+    "PoolingRequestOutput": "kvik.core.outputs",
 }
 
 __all__ = ["__version__", *_LAZY]
 
 if TYPE_CHECKING:  # pragma: no cover  (names served lazily by __getattr__)
     from kvik.core.config import EngineArgs  # noqa: F401
-    from kvik.core.outputs import CompletionOutput, RequestOutput  # noqa: F401
+    from kvik.core.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput  # noqa: F401
+    from kvik.core.pooling_params import PoolingParams  # noqa: F401
     from kvik.core.sampling_params import SamplingParams  # noqa: F401
     from kvik.engine.async_llm import AsyncLLM  # noqa: F401
     from kvik.engine.llm import LLM  # noqa: F401

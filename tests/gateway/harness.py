@@ -134,9 +134,11 @@ class ServerProcess:
             return ""
 
 
-def scrape_metric(url: str, name: str, **labels: str) -> float:
+def scrape_metric(url: str, name: str, *, headers: dict[str, str] | None = None, **labels: str) -> float:
     """Sum of the samples of `name` on `url`/metrics whose labels include `labels` (0 when none)."""
-    text = httpx.get(url + "/metrics", timeout=5).text
+    response = httpx.get(url + "/metrics", headers=headers, timeout=5)
+    response.raise_for_status()
+    text = response.text
     total = 0.0
     for line in text.splitlines():
         if not line.startswith(name + "{") and not line.startswith(name + " "):
@@ -207,8 +209,9 @@ class Gateway(ServerProcess):
             return {r["url"]: r for r in client.get("/admin/replicas").json()["data"] if r["model"] == model}
 
     def metric(self, name: str, **labels: str) -> float:
-        """Sum of the samples of `name` whose labels include `labels` (0 when none)."""
-        return scrape_metric(self.url, name, **labels)
+        """Sum of the samples of `name` whose labels include `labels` (0 when none); /metrics needs
+        an admin key by default."""
+        return scrape_metric(self.url, name, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, **labels)
 
 
 class KvikServe(ServerProcess):

@@ -84,3 +84,56 @@ def test_neutral_outcome_frees_the_probe_slot() -> None:
     breaker.on_attempt()
     breaker.record_neutral()
     assert breaker.state is BreakerState.HALF_OPEN and breaker.can_attempt()
+
+
+def breaker_pool(replicas: int, panics: list[str] | None = None, **settings: float):  # noqa: ANN201
+    from kvik.gateway.config import ModelConfig
+    from kvik.gateway.router import ModelPool
+
+    panic = settings.pop("panic_threshold_percent", 50.0)
+    config = ModelConfig(name="m", replicas=[{"url": f"http://r{i}"} for i in range(replicas)])
+    return ModelPool(config, BreakerConfig(consecutive_failures=2, **settings), panic_threshold_percent=panic,
+                     on_panic=None if panics is None else panics.append)
+
+
+def test_max_ejections_follows_envoy_and_never_takes_the_whole_pool() -> None:
+    from kvik.gateway.router import max_ejections
+
+    assert [max_ejections(n, 50) for n in (1, 2, 3, 4, 5, 10)] == [0, 1, 1, 2, 2, 5]
+    assert [max_ejections(n, 10) for n in (1, 2, 10, 20)] == [0, 1, 1, 2]  # at least one, from two up
+    assert [max_ejections(n, 100) for n in (1, 2, 3)] == [0, 1, 2]  # never all
+    assert max_ejections(5, 0) == 0
+
+
+def test_the_breakers_of_a_pool_never_eject_it_all() -> None:
+    """Issue 10, finding 3: five failures can no longer take a model offline for everyone."""
+    pool = breaker_pool(2)
+    first, second = pool.replicas
+    for _ in range(3):
+        first.breaker.record_failure()
+    assert first.breaker.state is BreakerState.OPEN
+    for _ in range(10):
+        second.breaker.record_failure()
+    assert second.breaker.state is BreakerState.CLOSED  # the cap: one of two may be ejected
+    single = breaker_pool(1)
+    for _ in range(10):
+        single.replicas[0].breaker.record_failure()
+    assert single.replicas[0].breaker.state is BreakerState.CLOSED
+
+
+def test_panic_routing_tries_every_replica_when_too_few_are_available() -> None:
+    from kvik.gateway.balancing import RoutingContext
+
+    panics: list[str] = []
+    pool = breaker_pool(2, panics)
+    first, second = pool.replicas
+    first.healthy = False
+    assert pool.pick(RoutingContext()) is second and panics == []  # 1 of 2 available: 50 %, no panic
+    second.healthy = False
+    assert pool.pick(RoutingContext()) in (first, second) and panics == ["m"]  # 0 of 2: panic
+    assert pool.pick(RoutingContext(), {first}) is second
+    assert pool.pick(RoutingContext(), {first, second}) is None  # each replica once per request
+    off = breaker_pool(2, panic_threshold_percent=0)
+    for replica in off.replicas:
+        replica.healthy = False
+    assert off.pick(RoutingContext()) is None

@@ -26,12 +26,22 @@ def test_clients_can_opt_out() -> None:
     assert policy.directive(body, {"cache-control": "no-cache"}) == policy.CacheDirective(read=False, write=True)
 
 
-def test_key_is_normalised() -> None:
-    a = policy.cache_key("chat", "m", {"temperature": 0, "messages": [], "model": "alias", "user": "u1"})
-    b = policy.cache_key("chat", "m", {"model": "m", "messages": [], "temperature": 0})
+def test_key_is_normalised_and_scoped_to_the_tenant() -> None:
+    a = policy.cache_key("chat", "m", {"temperature": 0, "messages": [], "model": "alias", "user": "u1"},
+                         tenant="key:a")
+    b = policy.cache_key("chat", "m", {"model": "m", "messages": [], "temperature": 0}, tenant="key:a")
     assert a == b
-    assert a != policy.cache_key("chat", "m", {"model": "m", "messages": [], "temperature": 0, "stream": True})
-    assert a != policy.cache_key("completions", "m", {"model": "m", "messages": [], "temperature": 0})
+    assert a != policy.cache_key("chat", "m", {"model": "m", "messages": [], "temperature": 0, "stream": True},
+                                 tenant="key:a")
+    assert a != policy.cache_key("completions", "m", {"model": "m", "messages": [], "temperature": 0},
+                                 tenant="key:a")
+    assert a != policy.cache_key("chat", "m", {"model": "m", "messages": [], "temperature": 0}, tenant="key:b")
+    assert a != policy.cache_key("chat", "m", {"model": "m", "messages": [], "temperature": 0}, tenant=None)
+
+
+def test_key_survives_a_lone_surrogate() -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "\ud800"}], "temperature": 0}
+    assert len(policy.cache_key("chat", "m", body, tenant=None)) == 64
 
 
 def entry(size: int) -> CachedResponse:

@@ -62,31 +62,38 @@ def test_rpm_limit_gives_429_with_retry_after(gateway: Gateway) -> None:
     assert gateway.metric("kvik_gateway_rate_limited_total", limit="rpm") >= 1
 
 
-def test_tpm_limit_counts_upstream_usage(gateway: Gateway) -> None:
-    # The fake upstream reports prompt words + max_tokens: 2 + 20 = 22 tokens per request.
+def test_tpm_reserves_prompt_and_max_tokens_and_settles_to_usage(gateway: Gateway) -> None:
+    # Each request reserves its estimate: "one two" is 7 bytes + 8 template tokens per message (and
+    # the generation prompt) = 23, plus max_tokens 5 = 28. The fake upstream then reports prompt words
+    # + max_tokens = 2 + 5 = 7, and the settlement gives the other 21 back. Under tpm 50:
+    # 0+28, 7+28, 14+28, 21+28 fit; 28+28 does not.
     require_fake()
-    key = gateway.create_key(name="tpm", tpm=25)
-    assert ask(gateway, key, max_tokens=20).status_code == 200  # 0 used: admitted, then 22 charged
-    assert ask(gateway, key, max_tokens=20).status_code == 200  # 22 + 1 <= 25: admitted, 44 charged
-    refused = ask(gateway, key, max_tokens=20)
+    key = gateway.create_key(name="tpm", tpm=50)
+    assert [ask(gateway, key, max_tokens=5).status_code for _ in range(5)] == [200, 200, 200, 200, 429]
+    refused = ask(gateway, key, max_tokens=5)
     assert_openai_error(refused, 429, "rate_limit_error")
     assert "tokens per minute" in refused.json()["error"]["message"]
     assert int(refused.headers["retry-after"]) >= 1
+    # A request that may generate more than the limit can never fit: refused at once, saying why.
+    too_large = ask(gateway, gateway.create_key(name="tpm-small", tpm=50), max_tokens=60)
+    assert_openai_error(too_large, 429, "rate_limit_error")
+    assert "lower max_tokens" in too_large.json()["error"]["message"]
     # Streamed tokens count too: the gateway asks the upstream for the usage chunk.
-    streamer = gateway.create_key(name="tpm-stream", tpm=25)
-    for _ in range(2):
-        assert ask(gateway, streamer, max_tokens=20, stream=True).status_code == 200
-    assert ask(gateway, streamer, max_tokens=20, stream=True).status_code == 429
+    streamer = gateway.create_key(name="tpm-stream", tpm=50)
+    statuses = [ask(gateway, streamer, max_tokens=5, stream=True).status_code for _ in range(5)]
+    assert statuses == [200, 200, 200, 200, 429]
 
 
-def test_token_budget_is_enforced(gateway: Gateway) -> None:
+def test_token_budget_is_reserved_and_enforced(gateway: Gateway) -> None:
     require_fake()
     key = gateway.create_key(name="budget", token_budget=30)
-    assert ask(gateway, key, max_tokens=20).status_code == 200  # 22 of 30
-    assert ask(gateway, key, max_tokens=20).status_code == 200  # 44: over from now on
-    refused = ask(gateway, key, max_tokens=20)
+    assert ask(gateway, key, max_tokens=20).status_code == 200  # 2 + 20 = 22 of 30 used
+    refused = ask(gateway, key, max_tokens=20)  # 8 left cannot cover 20 completion tokens
     assert_openai_error(refused, 429, "insufficient_quota", "insufficient_quota")
+    assert "8 tokens" in refused.json()["error"]["message"] and "lower max_tokens" in refused.json()["error"]["message"]
     assert "retry-after" not in refused.headers  # waiting does not help
+    assert ask(gateway, key, max_tokens=5).status_code == 200  # 29 used
+    assert_openai_error(ask(gateway, key, max_tokens=5), 429, "insufficient_quota")
     assert gateway.metric("kvik_gateway_rate_limited_total", limit="budget") >= 1
 
 

@@ -295,6 +295,44 @@ def test_email_and_card_never_reach_the_replicas(gateway: Gateway, key: str, rep
         assert EMAIL not in log and CARD not in log and CARD.replace(" ", "") not in log
 
 
+def test_a_request_that_breaks_every_replica_opens_no_breaker(gateway: Gateway, key: str,
+                                                               replicas: list[KvikServe]) -> None:
+    """Issue 10, finding 3: `logit_bias: {"²": 1}` made kvik serve answer 500 (the server is to
+    answer 400); either way, eight such requests must not take the model offline."""
+    wait_for(lambda: all(r["healthy"] and r["breaker"] == "closed" for r in gateway.replicas().values()))
+    opened = gateway.metric("kvik_gateway_breaker_transitions_total", model="tiny", state="open")
+    with gateway.client(key) as client:
+        poisoned = [client.post("/v1/chat/completions", json=chat("tiny", f"poison {i}", logit_bias={"\u00b2": 1}))
+                    for i in range(8)]
+        statuses = {r.status_code for r in poisoned}
+        assert len(statuses) == 1 and statuses <= {400, 500}, [r.text for r in poisoned]
+        assert all(set(r.json()["error"]) == {"message", "type", "param", "code"} for r in poisoned)
+        assert gateway.metric("kvik_gateway_breaker_transitions_total", model="tiny", state="open") == opened
+        assert {r["breaker"] for r in gateway.replicas().values()} == {"closed"}
+        before = served(replicas)
+        good = [client.post("/v1/chat/completions", json=chat("tiny", f"after poison {i}")) for i in range(10)]
+    assert [r.status_code for r in good] == [200] * 10
+    assert all(n > 0 for n in delta(served(replicas), before).values())  # both replicas still serve
+
+
+def test_a_client_that_leaves_a_non_streaming_request_stops_the_generation(gateway: Gateway, key: str,
+                                                                           replicas: list[KvikServe]) -> None:
+    """Issue 10, finding 6: the gateway closes the upstream request, and kvik serve aborts it."""
+    marker = f"abandoned-{secrets.token_hex(4)}"
+    body = chat("tiny", marker, max_tokens=480, ignore_eos=True)
+    with pytest.raises(httpx.ReadTimeout), gateway.client(key, timeout=0.5) as client:
+        client.post("/v1/chat/completions", json=body)
+
+    def logged() -> list[dict[str, Any]]:
+        return [e for r in replicas for e in r.request_log() if marker in json.dumps(e.get("prompt"))]
+
+    wait_for(lambda: len(logged()) == 1, timeout=30)
+    entry = logged()[0]
+    if entry["completion_tokens"] == 480 and entry["latency_ms"] < 500:
+        pytest.skip("the replica generated 480 tokens before the client left; nothing to abort")
+    assert entry["completion_tokens"] < 480 and "length" not in entry["finish_reasons"], entry
+
+
 def test_kill9_during_load_every_request_succeeds_and_the_breaker_cycles(
         gateway: Gateway, key: str, replicas: list[KvikServe]) -> None:
     alive, victim = replicas
@@ -333,3 +371,27 @@ def test_kill9_during_load_every_request_succeeds_and_the_breaker_cycles(
     with gateway.admin() as admin:
         assert admin.get("/health").json()["available_replicas"] == {"tiny": 2, "tiny-affine": 2}
 
+
+
+def test_kill9_of_a_replicas_engine_process_fails_over(gateway: Gateway, key: str,
+                                                        replicas: list[KvikServe]) -> None:
+    """Issue 10, must show 4 behind the gateway: SIGKILL the engine core (the replica's child with
+    libtorch mapped), not the API server. The replica's in-flight requests end with a 503 and its
+    process exits non-zero; the gateway retries them on the survivor, so every client gets a 200."""
+    psutil = pytest.importorskip("psutil")
+    alive, victim = replicas
+    wait_for(lambda: all(r["healthy"] and r["breaker"] == "closed" for r in gateway.replicas().values()),
+             timeout=60)
+    assert victim.proc is not None
+    engines = [child for child in psutil.Process(victim.proc.pid).children()
+               if any("libtorch" in m.path for m in child.memory_maps())]
+    assert len(engines) == 1, [child.cmdline() for child in engines]
+    bodies = [chat("tiny", f"engine death {i}", max_tokens=32) for i in range(60)]
+    started = time.monotonic()
+    responses = asyncio.run(send_many(gateway.url, key, bodies, 8, after=10, action=engines[0].kill))
+    elapsed = time.monotonic() - started
+
+    assert [r.status_code for r in responses] == [200] * 60, \
+        [(r.status_code, r.text) for r in responses if r.status_code != 200]
+    assert victim.proc.wait(timeout=30) == 1  # exits non-zero, so a supervisor restarts it
+    print(f"\nengine kill: 60/60 answered in {elapsed:.1f} s; the replica exited with status 1")

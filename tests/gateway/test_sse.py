@@ -35,3 +35,28 @@ def test_drop_null_usage_removes_only_null_usage_members() -> None:
     assert drop_null_usage(text) == text
     usage = b'data: {"choices": [], "usage": {"prompt_tokens": 3}}\n\n'
     assert drop_null_usage(usage) == usage and drop_null_usage(b"data: [DONE]\n\n") == b"data: [DONE]\n\n"
+
+
+def test_inspect_event_counts_content_deltas_and_reads_error_objects() -> None:
+    role_only = b'data: {"choices": [{"delta": {"role": "assistant", "content": ""}}]}\n\n'
+    assert inspect_event(role_only).content_deltas == 0
+    assert inspect_event(b'data: {"choices": [{"delta": {"content": "hi"}}]}\n\n').content_deltas == 1
+    assert inspect_event(b'data: {"choices": [{"index": 0, "text": "a"}, {"index": 1, "text": "b"}]}\n\n'
+                         ).content_deltas == 2
+    # Generated text that looks like a member is escaped inside the string: not counted twice.
+    assert inspect_event(b'data: {"choices": [{"delta": {"content": "\\"content\\": \\"x\\""}}]}\n\n'
+                         ).content_deltas == 1
+    error = inspect_event(b'data: {"error": {"message": "boom", "type": "server_error"}}\n\n').error
+    assert error == {"message": "boom", "type": "server_error"}
+    vllm = inspect_event(b'data: {"object": "error", "message": "bad", "type": "BadRequestError", "code": 400}\n\n')
+    assert vllm.error is not None and vllm.error["code"] == 400
+
+
+def test_stream_errors_are_classified_by_who_caused_them() -> None:
+    from kvik.gateway.relay import classify_error
+
+    assert classify_error({"message": "engine died", "type": "server_error"}) == (502, False)
+    assert classify_error({"message": "x", "type": "invalid_request_error"}) == (400, True)
+    assert classify_error({"message": "x", "type": "BadRequestError", "code": 400}) == (400, True)
+    assert classify_error({"message": "x", "code": 503}) == (503, False)
+    assert classify_error({"message": "x"}) == (502, False)

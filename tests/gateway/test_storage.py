@@ -99,3 +99,19 @@ def test_usage_aggregates_per_key_and_model(db: Database) -> None:
     assert aggregate_usage(db, group_by=["model"], since=now + 1) == []
     with pytest.raises(InvalidRequestError):
         aggregate_usage(db, group_by=["password"])
+
+
+def test_a_new_sqlite_database_is_readable_by_its_owner_only(tmp_path: Path) -> None:
+    """Issue 10, finding 12: the file holds key hashes and every request's metadata."""
+    import os
+    import stat
+
+    path = tmp_path / "private" / "gateway.db"
+    database = open_database(f"sqlite:///{path}")
+    store = KeyStore(database)
+    store.create("owner-only", team="ops")  # a write, so the WAL and shared-memory files exist
+    try:
+        for file in (path, path.with_name("gateway.db-wal"), path.with_name("gateway.db-shm")):
+            assert file.exists() and stat.S_IMODE(os.stat(file).st_mode) == 0o600, file
+    finally:
+        database.close()

@@ -82,4 +82,4 @@ def test_hub_download_failure_is_a_clear_error(monkeypatch):
 def test_dtype_auto_is_float32_on_cpu(tiny_llama):
     llm = LLM(str(tiny_llama), show_progress=False)
     expected = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    assert llm.engine.dtype == expected
+    assert llm.engine.core.dtype == expected

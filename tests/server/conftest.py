@@ -50,18 +50,26 @@ def start_server(model_dir: Path, log_dir: Path, *extra: str, name: str = "tiny"
     port = free_port()
     log_path = log_dir / f"server-{port}.log"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    # Stored Responses API responses stay in the test's directory (a later --responses-store wins).
     command = [sys.executable, "-m", "kvik.cli.main", "serve", "--model", str(model_dir),
-               "--port", str(port), "--served-model-name", name, "--max-model-len", "512", *extra]
+               "--port", str(port), "--served-model-name", name, "--max-model-len", "512",
+               "--responses-store", str(log_dir / f"responses-{port}.sqlite"), *extra]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     server = ServerProcess(process, f"http://127.0.0.1:{port}", log_path, name)
+    wait_until_ready(server, timeout)
+    return server
+
+
+def wait_until_ready(server: ServerProcess, timeout: float) -> None:
+    """Poll /health until 200; stop the server and raise with its log if it exits or times out."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}:\n{server.log()}")
+        if server.process.poll() is not None:
+            raise RuntimeError(f"server exited with {server.process.returncode}:\n{server.log()}")
         try:
             if httpx.get(f"{server.url}/health", timeout=1).status_code == 200:
-                return server
+                return
         except httpx.HTTPError:
             pass
         time.sleep(0.2)

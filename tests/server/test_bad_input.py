@@ -24,7 +24,8 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
 
 
 def post(server, path: str, **kwargs) -> httpx.Response:
-    return httpx.post(f"{server.base_url}/{path}", timeout=30, **kwargs)
+    kwargs.setdefault("timeout", 30)
+    return httpx.post(f"{server.base_url}/{path}", **kwargs)
 
 
 def test_malformed_json(server):

@@ -154,6 +154,27 @@ def test_health_and_other_requests_stay_fast_while_megabytes_are_tokenized(long_
     assert max(small_latencies) < 5.0, small_latencies
 
 
+def test_memory_stays_bounded_after_multi_megabyte_prompts(long_context_server):
+    """Finding 13: RSS grew from 0.54 to ~1.9 GiB after multi-MB prompts. Large inputs are
+    tokenized in recycled workers that trim their heap, over-long ones never ship their ids back,
+    and the server trims after large bodies: after a first large request, more do not grow RSS."""
+    server = long_context_server
+    big = chat("all work and no play makes jack a dull boy " * 20_000, max_tokens=2**21)  # ~0.9 MB
+
+    def rss() -> dict[int, int]:
+        process = psutil.Process(server.process.pid)
+        return {p.pid: p.memory_info().rss for p in [process, *process.children(recursive=True)]}
+
+    for _ in range(2):  # warm: both workers have handled one
+        assert post(server, "chat/completions", json=big, timeout=300).status_code == 400
+    before = rss()
+    for _ in range(4):
+        assert post(server, "chat/completions", json=big, timeout=300).status_code == 400
+    after = rss()
+    grown = {pid: (after[pid] - before[pid]) / 2**20 for pid in before if pid in after}
+    assert max(grown.values()) < 64, grown
+
+
 def test_chunked_body_over_the_limit_is_413(server):
     def chunks():
         for _ in range(40):
@@ -173,6 +194,28 @@ def test_slow_body_is_cut_off(server_factory):
         reply = sock.recv(4096)
     assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
     assert time.monotonic() - started < 10
+
+
+def test_slow_headers_are_cut_off_and_other_clients_are_served(server_factory):
+    """Finding 12 on the server (slowloris): headers that trickle in get 408 and a closed connection
+    after --header-timeout, and meanwhile other clients are answered."""
+    slow = server_factory("--header-timeout", "2")
+    port = int(slow.url.rsplit(":", 1)[1])
+    sockets = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(20)]
+    try:
+        started = time.monotonic()
+        for sock in sockets:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ")  # never finished
+        health = httpx.get(f"{slow.url}/health", timeout=5)
+        assert health.status_code == 200
+        replies = [sock.recv(4096) for sock in sockets]
+        elapsed = time.monotonic() - started
+    finally:
+        for sock in sockets:
+            sock.close()
+    assert all(reply.startswith(b"HTTP/1.1 408") for reply in replies), replies[0][:200]
+    assert b"--header-timeout" in replies[0]
+    assert 1.5 < elapsed < 10, elapsed
 
 
 # -- finding 3 (server part): a request that crashed a replica is a 400 --
@@ -244,19 +287,23 @@ def test_killed_engine_fails_requests_health_and_exits_nonzero(server_factory):
     victim = server_factory()
     client = openai.AsyncOpenAI(base_url=victim.base_url, api_key="x", max_retries=0, timeout=60)
 
+    streaming = [asyncio.Event() for _ in range(8)]
+
     async def one(i: int) -> str:
         try:
             stream = await client.completions.create(model="tiny", prompt=f"story {i}", max_tokens=400,
                                                      stream=True, extra_body={"ignore_eos": True})
             async for _ in stream:
-                pass
+                streaming[i].set()
         except openai.APIError as exc:
             return f"error: {exc}"
         return "finished"
 
     async def main():
         tasks = [asyncio.create_task(one(i)) for i in range(8)]
-        await asyncio.sleep(1.5)
+        # Kill once every stream has its first token, not after a fixed sleep: on a fast machine
+        # 400 tokens can finish before any sleep long enough for a slow one.
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in streaming)), timeout=60)
         psutil.Process(engine_pid(victim)).kill()
         started = time.monotonic()
         results = await asyncio.gather(*tasks)

@@ -9,8 +9,10 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,7 +30,10 @@ from tests.gateway.harness import (
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-SCREENSHOTS = REPO / "docs" / "img"
+# The README's screenshots are taken by these tests: into docs/img/ with KVIK_UPDATE_SCREENSHOTS=1
+# (`make screenshots`), else into a temporary directory, so a test run leaves the checkout as it was.
+SCREENSHOTS = (REPO / "docs" / "img" if os.environ.get("KVIK_UPDATE_SCREENSHOTS") == "1"
+               else Path(tempfile.mkdtemp(prefix="kvik-screenshots-")))
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
 

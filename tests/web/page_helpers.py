@@ -61,6 +61,7 @@ def answers(page: Any) -> Any:
 
 def send(page: Any, text: str, *, wait: bool = True, timeout: float = 30_000) -> Any:
     """Type and send a message; returns the locator of the answer it starts (finished when `wait`)."""
+    page.wait_for_selector("body[data-ready]", state="attached")  # a conversation is open
     before = answers(page).count()
     page.fill("#composer-input", text)
     page.press("#composer-input", "Enter")

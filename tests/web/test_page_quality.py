@@ -156,6 +156,8 @@ def test_accessibility_basics_and_screenshots(browser, gateway: Gateway) -> None
     # Keyboard: the skip link comes first, and Tab reaches the message box.
     page = open_page(browser, gateway.url + "/")
     sign_in(page, key)
+    # Signing in ends with a new chat, which focuses the message box: let that happen first.
+    wait_until(page, "document.activeElement.id === 'composer-input'")
     # Start keyboard navigation from the top of the document.
     page.evaluate("() => { const start = document.createElement('span'); start.tabIndex = -1; "
                   "document.body.prepend(start); start.focus(); }")

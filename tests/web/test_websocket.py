@@ -85,8 +85,8 @@ def test_cancel_frees_the_sequence_and_its_kv_blocks(kvik_server: KvikServe) -> 
             while chunks < 5:
                 event = json.loads(await ws.recv())
                 chunks += event["type"] == "chat.completion.chunk"
-            running, usage = kv_state(kvik_server)
-            assert running == 1 and usage > 0, (running, usage)
+            # Cancel at once: scraping /metrics first gave a loaded machine time to finish all 400
+            # tokens before the cancel arrived. Streaming chunks show the sequence was running.
             await ws.send(json.dumps({"type": "response.cancel", "stream_id": "long"}))
             while (event := json.loads(await ws.recv()))["type"] != "response.done":
                 pass

@@ -8,7 +8,9 @@ child process (one process tree), and the figures are printed as ratios:
 - single-stream decode: weight bytes per token times tokens per second, over the read bandwidth
   measured in reads paired with its steps;
 - memory: kvik's peak RSS while generating against weights + configured KV budget;
-- online and prefix workloads through real HTTP servers (see `kvik.bench.online`).
+- online and prefix workloads through real HTTP servers (see `kvik.bench.online`);
+- with `llamacpp_dir`, a llama.cpp column: both engines on the same GGUF files, per precision pair
+  (see `kvik.bench.llamacpp`).
 """
 
 from __future__ import annotations
@@ -44,6 +46,10 @@ class CompareConfig:
     out_dir: str = "bench-results"
     kvik_rates: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0, 4.0)
     naive_rates: tuple[float, ...] = (0.25, 0.5)
+    # The llama.cpp column, only when llamacpp_dir is set: label -> HF directory or .gguf file.
+    llamacpp_dir: str | None = None
+    llamacpp_models: dict[str, str] = field(default_factory=dict)
+    llamacpp_pairs: list[dict[str, Any]] = field(default_factory=list)
 
 
 def run_system(config: CompareConfig, system: str, workdir: Path) -> dict[str, Any]:
@@ -171,6 +177,16 @@ def run_compare(config: CompareConfig) -> dict[str, Any]:
         prefix = run_prefix(online_config)
         report["prefix"] = prefix
     lines += summary_lines(online, prefix, config.num_requests)
+    if config.llamacpp_dir:
+        from kvik.bench.llamacpp.harness import HarnessConfig, run_harness
+
+        print("\n== llama.cpp", flush=True)
+        llamacpp = run_harness(HarnessConfig(
+            llamacpp_dir=Path(config.llamacpp_dir), out_dir=out_dir / "llamacpp",
+            models={label: Path(path) for label, path in config.llamacpp_models.items()},
+            pairs=config.llamacpp_pairs))
+        report["llamacpp"] = llamacpp["results"]
+        lines += ["\nkvik vs llama.cpp on the same GGUF files:"] + llamacpp["printed"]
     report["summary"] = summary
     print("\n".join(lines))
     report["printed"] = lines

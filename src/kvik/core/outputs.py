@@ -1,7 +1,10 @@
-"""What the engine returns: `RequestOutput` with one `CompletionOutput` per choice (vLLM's shape)."""
+"""What the engine returns: `RequestOutput` with one `CompletionOutput` per choice (vLLM's shape),
+or for a pooling request one `PoolingRequestOutput`."""
 
 from __future__ import annotations
 
+import array
+import sys
 from dataclasses import dataclass, field
 
 
@@ -54,3 +57,22 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = None
     extra: dict[str, object] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class PoolingRequestOutput:
+    """A pooling request's result: the embedding, or the classifier's logits (one per label)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    data_bytes: bytes  # little-endian float32, 4 bytes a value
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+    finished: bool = True
+
+    @property
+    def data(self) -> list[float]:
+        values = array.array("f", self.data_bytes)
+        if sys.byteorder != "little":
+            values.byteswap()
+        return values.tolist()

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 from kvik.core.chat_template import ChatTemplateRenderer, TemplateLimits
 from kvik.core.errors import ConfigError, InvalidRequestError
+from kvik.core.gguf_tokenizer import gguf_tokenizer_dir
 
 # transformers' special-token attributes, passed to chat templates as variables (bos_token, ...).
 SPECIAL_TOKEN_ATTRIBUTES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
@@ -47,7 +49,12 @@ class TokenizerSpec:
         try:
             from transformers import AutoTokenizer
 
-            hf = AutoTokenizer.from_pretrained(path, revision=revision)
+            source = path
+            if path.lower().endswith(".gguf") and Path(path).is_file():
+                source = str(gguf_tokenizer_dir(Path(path)))
+            hf = AutoTokenizer.from_pretrained(source, revision=revision)
+        except ConfigError:
+            raise
         except Exception as exc:  # missing files, unknown tokenizer class, bad json
             raise ConfigError(f"tokenizer: could not load a tokenizer from {path} ({exc})") from exc
         backend = getattr(hf, "backend_tokenizer", None)
@@ -73,6 +80,11 @@ class Tokenizer:
 
         self.spec = spec
         self.backend = Backend.from_str(spec.backend_json)
+        # Some tokenizer.json files (BERT's, sentence-transformers') switch on padding to a fixed
+        # length or truncation: ids of one prompt must be exactly its tokens, and a prompt too long
+        # is refused with a message, never cut silently.
+        self.backend.no_padding()
+        self.backend.no_truncation()
         self.vocab_size = spec.vocab_size or self.backend.get_vocab_size(with_added_tokens=True)
         self.eos_token_id = spec.eos_token_id
         self.special_ids = frozenset(spec.special_ids)
@@ -83,10 +95,6 @@ class Tokenizer:
     @classmethod
     def from_pretrained(cls, path: str, revision: str | None = None) -> Tokenizer:
         return cls(TokenizerSpec.from_pretrained(path, revision))
-
-    @property
-    def has_chat_template(self) -> bool:
-        return self.chat.has_default
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         try:

@@ -1,20 +1,10 @@
 """Token shards: documents tokenized, joined with end-of-text tokens and packed into binary files.
 
-On-disk format (read by `kvik.train.shards`, which must agree with this docstring):
-
-- `<split>-<NNNNN>.bin`: little-endian token ids, `uint16` when the vocabulary fits, else `uint32`;
-  each document is followed by the tokenizer's end-of-text id; a document never spans two shards.
-- `tokenizer/`: tokenizer.json and tokenizer_config.json (HF format, with the chat template).
-- `manifest.json`: {"format": "kvik-token-shards/1", "version", "dtype", "tokenizer": {"dir",
-  "sha256", "vocab_size", "eos_token_id"}, "config", "documents": {"input", "output"}, "splits":
-  {"train"|"val": {"documents", "tokens", "shards": [{"file", "documents", "tokens", "sha256"}]}}}.
-  `version` is a hash of the content (tokenizer and shard hashes), so identical data has the same
-  version whatever its path or config.
+The on-disk format is defined in `kvik.core.shard_format`, which `kvik.train.shards` reads with.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 import shutil
@@ -27,10 +17,10 @@ import numpy as np
 
 from kvik.core.config_files import file_sha256
 from kvik.core.errors import ConfigError
+from kvik.core.shard_format import MANIFEST_FORMAT, content_version, shard_file_name, token_dtype_name
 from kvik.core.tokenizer_files import train_tokenizer, write_tokenizer
 from kvik.data.config import ShardConfig, TokenizerConfig
 
-MANIFEST_FORMAT = "kvik-token-shards/1"
 DEFAULT_EOS_TOKEN = "<|endoftext|>"  # what kvik's own tokenizers end documents with
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 ENCODE_BATCH = 256  # documents per call into the (multi-threaded) Rust tokenizer
@@ -97,7 +87,7 @@ class _SplitWriter:
     def flush(self) -> None:
         if not self._buffer:
             return
-        path = self.out_dir / f"{self.name}-{len(self.shards):05d}.bin"
+        path = self.out_dir / shard_file_name(self.name, len(self.shards))
         np.concatenate(self._buffer).astype(self.dtype.newbyteorder("<")).tofile(path)
         self.shards.append({"file": path.name, "documents": self._documents,
                             "tokens": self._buffered, "sha256": file_sha256(path)})
@@ -124,7 +114,7 @@ def write_shards(texts: Iterable[str], num_documents: int, tokenizer: Any, eos: 
     """Tokenize `texts` (in order), each followed by `eos`, into train/val shards under `out_dir`;
     return the split summaries."""
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-    dtype = np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+    dtype = np.dtype(token_dtype_name(vocab_size))
     val = choose_validation(num_documents, config)
     writers = {name: _SplitWriter(name, out_dir, dtype, config.shard_tokens) for name in ("train", "val")}
     index = 0
@@ -147,13 +137,12 @@ def write_manifest(out_dir: Path, tokenizer_dir: Path, tokenizer: Any, eos: int,
         "vocab_size": vocab_size,
         "eos_token_id": eos,
     }
-    dtype = "uint16" if vocab_size <= 1 << 16 else "uint32"
-    content = json.dumps({"dtype": dtype, "tokenizer": tokenizer_info["sha256"],
-                          "shards": {name: [s["sha256"] for s in split["shards"]]
-                                     for name, split in splits.items()}}, sort_keys=True)
+    dtype = token_dtype_name(vocab_size)
+    version = content_version(dtype, tokenizer_info["sha256"],
+                              {name: [s["sha256"] for s in split["shards"]] for name, split in splits.items()})
     manifest = {
         "format": MANIFEST_FORMAT,
-        "version": hashlib.sha256(content.encode()).hexdigest()[:16],
+        "version": version,
         "dtype": dtype,
         "tokenizer": tokenizer_info,
         "config": config,

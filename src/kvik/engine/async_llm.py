@@ -19,7 +19,7 @@ from typing import Any, AsyncIterator, Callable
 from kvik.core.chat_template import TemplateLimits
 from kvik.core.config import EngineArgs
 from kvik.core.errors import KvikError, ServiceUnavailableError
-from kvik.core.outputs import RequestOutput
+from kvik.core.outputs import PoolingRequestOutput, RequestOutput
 from kvik.core.tokenizer import Tokenizer
 from kvik.engine.core_client import EngineCoreClient
 from kvik.engine.input_processor import InputProcessor
@@ -71,7 +71,7 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._stats = EngineStats(num_blocks=info.num_kv_blocks, num_free_blocks=info.num_kv_blocks)
         if self.preprocess_config.workers > 0:
-            self.pool = PreprocessPool(info.tokenizer, limits, self.preprocess_config)
+            self.pool = PreprocessPool(info.tokenizer, limits, self.preprocess_config, info.max_model_len)
         return info
 
     async def shutdown(self) -> None:
@@ -154,6 +154,29 @@ class AsyncLLM:
                 yield item
                 if finished:
                     return
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                await self.abort(request_id)
+
+    async def encode(self, request: EngineCoreRequest) -> PoolingRequestOutput:
+        """Run a pooling request (`request.pooling` set) and return its vector. Cancelling the
+        call aborts the request in the core."""
+        self._require_alive()
+        request_id = request.request_id
+        if request_id in self._queues:
+            raise KvikError(f"request id {request_id!r} is already in use")
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._queues[request_id] = queue
+        self.output_processor.add_pooling_request(request_id, request.prompt_token_ids, request.arrival_time)
+        finished = False
+        try:
+            await self.client.add_request(request)
+            item = await queue.get()
+            finished = True
+            if isinstance(item, BaseException):
+                raise item
+            return item
         finally:
             self._queues.pop(request_id, None)
             if not finished:

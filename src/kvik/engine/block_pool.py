@@ -40,8 +40,8 @@ class BlockPool:
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks referenced by running sequences."""
-        return 1.0 - len(self.free_queue) / self.num_blocks
+        """Fraction of blocks referenced by running sequences (0 for an encoder's empty pool)."""
+        return 1.0 - len(self.free_queue) / self.num_blocks if self.num_blocks else 0.0
 
     def allocate(self, count: int) -> list[KVBlock]:
         if count > len(self.free_queue):

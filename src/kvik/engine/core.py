@@ -6,6 +6,11 @@ socket (`kvik serve`, through `kvik.engine.core_process`); it does not know whic
 front end to have validated requests (`kvik.engine.input_processor`) and still refuses, one request
 at a time, anything that would break it.
 
+Pooling requests (embeddings, classification scores) share the step: the runner pools the hidden
+states of the prompts that completed and the scheduler ends those requests with the vector. What a
+model can do (`tasks`: generate, embed, classify) comes from its class; an encoder (BERT) has no KV
+cache and can only pool.
+
 Not thread-safe: one thread drives it.
 """
 
@@ -20,11 +25,12 @@ import torch
 
 from kvik.core.config import EngineArgs
 from kvik.core.errors import ConfigError, InsufficientMemoryError, InvalidRequestError
+from kvik.core.pooling_params import PoolingParams
 from kvik.core.sampling_params import SamplingParams
 from kvik.core.tokenizer import TokenizerSpec
 from kvik.engine.device import default_kv_fraction, free_memory_bytes, select_device, select_dtype
 from kvik.engine.kv_manager import KVCacheManager
-from kvik.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineInfo, EngineStats
+from kvik.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineInfo, EngineStats, PoolingInfo
 from kvik.engine.model_runner import ModelRunner
 from kvik.engine.request import Request, RequestGroup, RequestStatus
 from kvik.engine.sampler import Sampler, prompt_logprobs_for
@@ -32,6 +38,8 @@ from kvik.engine.scheduler import Scheduler
 from kvik.engine.scheduling_policy import make_policy
 from kvik.model.loader import load_model, load_model_config, resolve_model_path
 from kvik.model.layers.cpu_kernels import cpu_kernels
+from kvik.model.models.registry import model_class as architecture_class
+from kvik.model.pooling import LAST, label_names, load_pooling_config
 from kvik.model.transforms.cpu_fused_ops import enable_cpu_fused_ops
 from kvik.model.transforms.onednn_linear import onednn_available, pack_linears_for_onednn
 
@@ -51,6 +59,11 @@ class EngineCore:
         self.model_path = path
         self.model_config = cfg = load_model_config(path)
         self.tokenizer_spec = TokenizerSpec.from_pretrained(args.tokenizer or str(path), args.revision)
+        model_class = architecture_class(cfg.architecture)
+        self.tasks: tuple[str, ...] = getattr(model_class, "supported_tasks", ("generate",))
+        self.uses_kv_cache: bool = getattr(model_class, "uses_kv_cache", True)
+        self.pooling = load_pooling_config(path, cfg, getattr(model_class, "default_pooling", LAST),
+                                           getattr(model_class, "default_normalize", True))
         self.max_model_len = self._resolve_max_model_len()
         self.max_num_batched_tokens = self._resolve_token_budget()
 
@@ -72,17 +85,18 @@ class EngineCore:
                 enable_cpu_fused_ops(self.model, kernels)
         self.cpu_kernels = kernels
 
-        num_blocks = self._num_kv_blocks()
+        self.kv_cache_bytes = 0  # set by _num_kv_blocks; an encoder has no KV cache
+        num_blocks = self._num_kv_blocks() if self.uses_kv_cache else 0
         self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.runner = ModelRunner(self.model, num_blocks=num_blocks, block_size=args.block_size,
                                   num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
                                   head_dim=cfg.head_dim, device=self.device, dtype=self.dtype,
-                                  cpu_kernels=kernels)
+                                  cpu_kernels=kernels, pooling=self.pooling)
         spec_eos = [self.tokenizer_spec.eos_token_id] if self.tokenizer_spec.eos_token_id is not None else []
         self.eos_token_ids = list(dict.fromkeys(cfg.eos_token_ids + spec_eos))
         self.scheduler = Scheduler(self.kv, args.max_num_seqs, self.max_num_batched_tokens,
                                    args.enable_chunked_prefill, eos_token_ids=frozenset(self.eos_token_ids),
-                                   max_model_len=self.max_model_len,
+                                   max_model_len=self.max_model_len, uses_kv_cache=self.uses_kv_cache,
                                    policy=make_policy(args.scheduling_policy))
         self.sampler = Sampler(cfg.vocab_size, self.eos_token_ids, self.device, seed=args.seed)
         self.groups: dict[str, RequestGroup] = {}
@@ -101,19 +115,21 @@ class EngineCore:
                            cfg.sliding_window)
             limit = cfg.sliding_window
         if requested is None:
-            return limit
+            # sentence-transformers models declare the longest input they were trained on.
+            trained = self.pooling.max_seq_length
+            return min(limit, trained) if trained and self.tasks == ("embed",) else limit
         if requested > limit:
             raise ConfigError(f"max_model_len: {requested} exceeds the model's context length {limit}")
         return requested
 
     def _resolve_token_budget(self) -> int:
         requested = self.args.max_num_batched_tokens
-        if not self.args.enable_chunked_prefill:
+        if not self.args.enable_chunked_prefill or not self.uses_kv_cache:
             budget = requested or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_model_len)
             if budget < self.max_model_len:
                 raise ConfigError(f"max_num_batched_tokens: {budget} is below max_model_len "
-                                  f"{self.max_model_len}; without chunked prefill a whole prompt "
-                                  "must fit one step")
+                                  f"{self.max_model_len}; without chunked prefill (or for an "
+                                  "encoder, which has no KV cache) a whole prompt must fit one step")
             return budget
         return requested or DEFAULT_MAX_NUM_BATCHED_TOKENS
 
@@ -156,14 +172,24 @@ class EngineCore:
             eos_token_ids=list(self.eos_token_ids), num_kv_blocks=self.kv.pool.num_blocks,
             block_size=self.args.block_size, max_num_seqs=self.args.max_num_seqs,
             device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
-            weight_bytes=self.weight_bytes, tokenizer=self.tokenizer_spec,
-            kv_cache_bytes=self.kv_cache_bytes)
+            weight_bytes=self.weight_bytes, tokenizer=self.tokenizer_spec, tasks=list(self.tasks),
+            pooling=self._pooling_info(), kv_cache_bytes=self.kv_cache_bytes)
+
+    def _pooling_info(self) -> PoolingInfo | None:
+        if not any(task in self.tasks for task in ("embed", "classify")):
+            return None
+        pooling = self.pooling
+        labels = label_names(self.model_config) if "classify" in self.tasks else []
+        return PoolingInfo(method=pooling.method, normalize=pooling.normalize,
+                           hidden_size=pooling.hidden_size, matryoshka=pooling.matryoshka,
+                           matryoshka_dimensions=list(pooling.matryoshka_dimensions), labels=labels)
 
     def warm_up(self) -> None:
         """One forward through every layer: the first step pays for lazy initialisation (allocator,
         kernels) that a user's first request should not."""
         params = SamplingParams(max_tokens=2, ignore_eos=True)
-        self.add_request(EngineCoreRequest("warmup", [1, 2, 3, 4], params, 2, time.time()))
+        pooling = None if "generate" in self.tasks else PoolingParams(task=self.tasks[0])
+        self.add_request(EngineCoreRequest("warmup", [1, 2, 3, 4], params, 2, time.time(), pooling=pooling))
         while self.has_unfinished_requests():
             self.step()
         self.kv.pool.reset_prefix_cache()
@@ -176,11 +202,20 @@ class EngineCore:
         request_id, token_ids, params = request.request_id, request.prompt_token_ids, request.params
         if request_id in self.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        pooling = request.pooling
+        task = pooling.task if pooling is not None else "generate"
+        if task not in self.tasks:
+            raise InvalidRequestError(f"request {request_id}: this model does not {task} (it can "
+                                      f"{', '.join(self.tasks)})")
         vocab = self.model_config.vocab_size
-        if not token_ids or len(token_ids) >= self.max_model_len or \
-                any(not 0 <= t < vocab for t in token_ids):
+        # A pooling prompt may fill the context: nothing is generated after it.
+        limit = self.max_model_len + (1 if pooling is not None else 0)
+        if not token_ids or len(token_ids) >= limit or any(not 0 <= t < vocab for t in token_ids):
             raise InvalidRequestError(f"request {request_id}: prompt is empty, too long or has token ids "
                                       "outside the vocabulary", param="prompt")
+        if pooling is not None:
+            self._add_pooling_request(request, pooling)
+            return
         max_tokens = min(request.max_tokens, self.max_model_len - len(token_ids))
         group = RequestGroup(request_id, list(token_ids), params, request.arrival_time,
                              cache_salt=request.cache_salt.encode() if request.cache_salt else b"",
@@ -200,6 +235,28 @@ class EngineCore:
             group.sequences.append(sequence)
             self.scheduler.add(sequence)
         self.groups[request_id] = group
+        self.prompt_tokens_total += len(token_ids)
+
+    def _add_pooling_request(self, request: EngineCoreRequest, pooling: PoolingParams) -> None:
+        token_ids = list(request.prompt_token_ids)
+        pad = self.model_config.raw.get("pad_token_id")
+        if pooling.task == "classify" and isinstance(pad, int):
+            # HF classifies at the last token that is not padding (the first token if all are).
+            while len(token_ids) > 1 and token_ids[-1] == pad:
+                token_ids.pop()
+        params = request.params.clone(n=1)
+        group = RequestGroup(request.request_id, token_ids, params, request.arrival_time,
+                             cache_salt=request.cache_salt.encode() if request.cache_salt else b"",
+                             salt_from_token=request.salt_from_token, priority=request.priority,
+                             tenant=request.tenant, tenant_weight=request.tenant_weight)
+        sequence = Request(
+            seq_id=f"{request.request_id}#0", group=group, index=0, params=params, max_tokens=0,
+            all_token_ids=token_ids, num_prompt_tokens=len(token_ids),
+            arrival_order=next(self._arrival_counter), pooling=pooling,
+            needs_whole_prompt=not self.uses_kv_cache or self.pooling.method != LAST)
+        group.sequences.append(sequence)
+        self.scheduler.add(sequence)
+        self.groups[request.request_id] = group
         self.prompt_tokens_total += len(token_ids)
 
     def abort(self, request_id: str, index: int = -1) -> bool:
@@ -249,10 +306,13 @@ class EngineCore:
             group.prompt_logprobs.extend(prompt_logprobs_for(rows, targets, group.params.prompt_logprobs))
             request.num_prompt_logprobs_done = piece.first_token + piece.num_rows - 1
         requests: list[Request] = [chunk.request for chunk in result.sample_chunks]
-        sampled = self.sampler(result.logits[:len(requests)], requests)
+        sampled_map = {}
+        if requests:
+            sampled = self.sampler(result.logits[:len(requests)], requests)
+            sampled_map = {r: (t, lp) for r, t, lp in zip(requests, sampled.token_ids, sampled.logprobs)}
         self.generation_tokens_total += len(requests)
-        outputs = self.scheduler.update_from_output(
-            scheduled, {r: (t, lp) for r, t, lp in zip(requests, sampled.token_ids, sampled.logprobs)})
+        pooled = {chunk.request: float32_bytes(vector) for chunk, vector in result.pooled}
+        outputs = self.scheduler.update_from_output(scheduled, sampled_map, pooled)
         for output in outputs:
             group = self.groups.get(output.request_id)
             if group is not None and group.finished:
@@ -275,3 +335,8 @@ class EngineCore:
         for request in self.scheduler.waiting:
             counts[request.group.priority] = counts.get(request.group.priority, 0) + 1
         return counts
+
+
+def float32_bytes(vector: torch.Tensor) -> bytes:
+    """A 1-D float32 CPU tensor as little-endian bytes (what the wire and base64 carry)."""
+    return vector.contiguous().numpy().astype("<f4", copy=False).tobytes()

@@ -3,15 +3,22 @@
 Every check that depends on the model lives here, for the offline `LLM` and the server alike: the
 prompt is not empty, its token ids are in the vocabulary, it leaves room in the context, and the
 output budget fits. The server's messages follow OpenAI's wording, since its clients parse them.
+A request the model cannot serve (chat to an embedding model, embeddings from a classifier) is a 400
+here, naming what the model does instead.
 """
 
 from __future__ import annotations
 
 from kvik.core.errors import ContextLengthExceededError, InvalidRequestError
-from kvik.core.sampling_params import SamplingParams
+from kvik.core.pooling_params import PoolingParams
+from kvik.core.sampling_params import OutputKind, SamplingParams
 from kvik.core.tokenizer import Tokenizer
 from kvik.engine.messages import EngineCoreRequest, EngineInfo
 
+# What each task is called for in the messages, so a user knows which endpoint to use instead.
+_TASK_USES = {"generate": "text generation (/v1/chat/completions, /v1/completions, /v1/responses)",
+              "embed": "embeddings (/v1/embeddings)", "classify": "classification scores (/classify)"}
+_POOLING_SAMPLING = SamplingParams(max_tokens=1, output_kind=OutputKind.FINAL_ONLY)
 
 class InputProcessor:
     def __init__(self, info: EngineInfo, tokenizer: Tokenizer) -> None:
@@ -38,8 +45,17 @@ class InputProcessor:
         self.check_text_size(len(text.encode("utf-8", "surrogatepass")), "prompt")
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def validate_prompt(self, token_ids: list[int], where: str = "prompt") -> None:
-        """Raise a typed error if the prompt cannot run."""
+    def check_task(self, task: str) -> None:
+        """A 400 unless the model can do `task`, naming what it does instead."""
+        tasks = self.info.tasks
+        if task not in tasks:
+            serves = " and ".join(_TASK_USES[t] for t in tasks if t in _TASK_USES)
+            raise InvalidRequestError(
+                f"model: this model ({self.info.architecture}) does not support {_TASK_USES[task]}; "
+                f"it serves {serves}", param="model", code="unsupported_task")
+
+    def validate_prompt(self, token_ids: list[int], where: str = "prompt", *, pooling: bool = False) -> None:
+        """Raise a typed error if the prompt cannot run. A pooling prompt may fill the context."""
         if not token_ids:
             raise InvalidRequestError(f"{where}: is empty; give at least one token", param=where)
         vocab = self.vocab_size
@@ -47,7 +63,11 @@ class InputProcessor:
         if bad is not None:
             raise InvalidRequestError(f"{where}: token id {bad} is outside the vocabulary [0, {vocab})",
                                       param=where)
-        if len(token_ids) >= self.max_model_len:
+        if pooling and len(token_ids) > self.max_model_len:
+            raise ContextLengthExceededError(
+                f"This model's maximum context length is {self.max_model_len} tokens, but the {where} "
+                f"has {len(token_ids)} tokens. Shorten the {where}.", param=where)
+        if not pooling and len(token_ids) >= self.max_model_len:
             raise ContextLengthExceededError(
                 f"This model's maximum context length is {self.max_model_len} tokens, but the {where} "
                 f"has {len(token_ids)} tokens, leaving no room for output. Shorten the {where}.",
@@ -74,9 +94,38 @@ class InputProcessor:
                      tenant: str = "", tenant_weight: float = 1.0) -> EngineCoreRequest:
         """The core's request for validated token ids. `max_tokens` defaults to the params' value
         capped to the context. `priority` (lower first) and `tenant` (fair share) steer scheduling."""
+        self.check_task("generate")
         self.validate_prompt(token_ids, where)
         if max_tokens is None:
             max_tokens = self.resolve_max_tokens(params.max_tokens, len(token_ids), where, strict=False)
         return EngineCoreRequest(request_id, list(token_ids), params, max_tokens, arrival_time,
                                  cache_salt=cache_salt, salt_from_token=salt_from_token, priority=priority,
                                  tenant=tenant, tenant_weight=tenant_weight)
+
+    def make_pooling_request(self, request_id: str, token_ids: list[int], pooling: PoolingParams,
+                             arrival_time: float, *, where: str = "input", priority: int = 0,
+                             tenant: str = "", tenant_weight: float = 1.0) -> EngineCoreRequest:
+        """The core's request to embed or classify validated token ids, scheduled like `make_request`."""
+        self.check_task(pooling.task)
+        if pooling.dimensions is not None:
+            self.check_dimensions(pooling.dimensions)
+        self.validate_prompt(token_ids, where, pooling=True)
+        return EngineCoreRequest(request_id, list(token_ids), _POOLING_SAMPLING, 0, arrival_time,
+                                 pooling=pooling, priority=priority, tenant=tenant, tenant_weight=tenant_weight)
+
+    def check_dimensions(self, dimensions: int) -> None:
+        """Fewer dimensions only where the model was trained for it (Matryoshka): elsewhere the
+        leading values of an embedding are not a usable embedding."""
+        info = self.info.pooling
+        size = info.hidden_size if info else 0
+        if dimensions == size:
+            return
+        if info is None or not info.matryoshka:
+            raise InvalidRequestError(
+                f"dimensions: this model's embeddings have {size} dimensions and it does not support "
+                "Matryoshka truncation; leave dimensions out", param="dimensions")
+        allowed = info.matryoshka_dimensions
+        if not 1 <= dimensions <= size or (allowed and dimensions not in allowed):
+            choices = ", ".join(map(str, allowed or [size])) if allowed else f"1 to {size}"
+            raise InvalidRequestError(f"dimensions: {dimensions} is not supported; this model allows "
+                                      f"{choices}", param="dimensions")

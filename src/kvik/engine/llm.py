@@ -3,18 +3,23 @@
     from kvik import LLM, SamplingParams
     llm = LLM(model="path/or/hub-id", max_num_seqs=32)
     outputs = llm.generate(["Hello", "The capital of France is"], SamplingParams(max_tokens=16))
+
+Pooling models (an encoder like all-MiniLM-L6-v2, a `*ForSequenceClassification` reward model) and
+decoders' last-token embeddings: `llm.embed(texts)` and `llm.classify(texts)`.
 """
 
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 from typing import Any, Sequence
 
 from tqdm import tqdm
 
 from kvik.core.config import EngineArgs
 from kvik.core.errors import InvalidRequestError
-from kvik.core.outputs import RequestOutput
+from kvik.core.outputs import PoolingRequestOutput, RequestOutput
+from kvik.core.pooling_params import PoolingParams
 from kvik.core.sampling_params import OutputKind, SamplingParams
 from kvik.engine.llm_engine import LLMEngine
 
@@ -34,9 +39,13 @@ class LLM:
         if self._hf_tokenizer is None:
             from transformers import AutoTokenizer
 
+            from kvik.core.gguf_tokenizer import gguf_tokenizer_dir
+
             args = self.engine.core.args
-            self._hf_tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or self.engine.info.model_path,
-                                                               revision=args.revision)
+            source = args.tokenizer or self.engine.info.model_path
+            if source.lower().endswith(".gguf") and Path(source).is_file():
+                source = str(gguf_tokenizer_dir(Path(source)))
+            self._hf_tokenizer = AutoTokenizer.from_pretrained(source, revision=args.revision)
         return self._hf_tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
@@ -85,6 +94,41 @@ class LLM:
         for output, text in zip(outputs, texts):
             output.prompt = text
         return outputs
+
+    def update_weights(self, named_tensors: Any) -> Any:
+        """Load new weights in place, without files: `named_tensors` maps HF checkpoint names to
+        tensors (a dict or (name, tensor) pairs, e.g. a trainer's `state_dict()`). Call between
+        generate() calls; the prefix cache is emptied. Returns a `WeightUpdate`
+        (see kvik.engine.weight_sync)."""
+        from kvik.engine.weight_sync import update_engine_weights
+
+        return update_engine_weights(self.engine.core, named_tensors)
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], dimensions: int | None = None
+              ) -> list[PoolingRequestOutput]:
+        """One embedding per prompt (`.data`), batched through the scheduler like generation."""
+        return self._pool(prompts, PoolingParams(task="embed", dimensions=dimensions))
+
+    def classify(self, prompts: Prompt | Sequence[Prompt]) -> list[PoolingRequestOutput]:
+        """The classification head's logits per prompt (`.data`, one per label; a reward model's
+        score is `.data[0]`)."""
+        return self._pool(prompts, PoolingParams(task="classify"))
+
+    def _pool(self, prompts: Prompt | Sequence[Prompt], pooling: PoolingParams) -> list[PoolingRequestOutput]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                         and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        request_ids = []
+        try:
+            for prompt in prompts:
+                request_id = str(next(self._ids))
+                self.engine.add_pooling_request(request_id, prompt, pooling)
+                request_ids.append(request_id)
+        except Exception:
+            for request_id in request_ids:
+                self.engine.abort_request(request_id)
+            raise
+        return self._run(request_ids, use_tqdm=False)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

@@ -14,7 +14,8 @@ import time
 
 from kvik.core.config import EngineArgs
 from kvik.core.errors import InvalidRequestError
-from kvik.core.outputs import RequestOutput
+from kvik.core.outputs import PoolingRequestOutput, RequestOutput
+from kvik.core.pooling_params import PoolingParams
 from kvik.core.sampling_params import SamplingParams
 from kvik.core.tokenizer import Tokenizer
 from kvik.engine.core import EngineCore
@@ -46,6 +47,17 @@ class LLMEngine:
         self.core.add_request(request)
         self.output_processor.add_request(request_id, text, token_ids, params, arrival_time)
 
+    def add_pooling_request(self, request_id: str, prompt: str | list[int], pooling: PoolingParams,
+                            arrival_time: float | None = None) -> None:
+        """Queue a prompt to embed or classify; its `PoolingRequestOutput` comes from `step()`."""
+        if request_id in self.output_processor.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        arrival_time = arrival_time or time.time()
+        token_ids = self.input_processor.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        request = self.input_processor.make_pooling_request(request_id, token_ids, pooling, arrival_time)
+        self.core.add_request(request)
+        self.output_processor.add_pooling_request(request_id, token_ids, arrival_time)
+
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; False if it is unknown or already finished."""
         known = self.output_processor.abort_request(request_id)
@@ -54,7 +66,7 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         processed = self.output_processor.process(self.core.step())
         for request_id, index in processed.aborts:
             self.core.abort(request_id, index)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import msgspec
 
+from kvik.core.pooling_params import PoolingParams
 from kvik.core.sampling_params import SamplingParams
 from kvik.core.tokenizer import TokenizerSpec
 
@@ -37,6 +38,9 @@ class EngineCoreRequest(msgspec.Struct, tag="add", omit_defaults=True):
     priority: int = 0
     tenant: str = ""
     tenant_weight: float = 1.0
+    # A pooling request (embed, classify): the prompt is computed once and its pooled hidden state
+    # comes back instead of tokens; `params` and `max_tokens` are then unused.
+    pooling: PoolingParams | None = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -84,6 +88,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # Every prompt position's logprobs, sent once on sequence 0 when all are computed.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     error: str | None = None  # the step failed for this request (finish_reason "error")
+    # A pooling request's result, once, with finish_reason "stop": the embedding or the class
+    # logits as little-endian float32 (4 bytes a value; what base64 encoding sends as is).
+    pooled: bytes | None = None
 
 
 class EngineStats(msgspec.Struct):
@@ -116,6 +123,19 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     utility: UtilityResult | None = None
 
 
+class PoolingInfo(msgspec.Struct):
+    """How the model pools, for the front end's checks and responses."""
+
+    method: str  # "mean" | "cls" | "last"
+    normalize: bool  # embeddings are L2-normalised
+    hidden_size: int  # values in an embedding
+    # Matryoshka models: `dimensions` may truncate (then renormalised); an empty list with
+    # `matryoshka` true means any size up to hidden_size.
+    matryoshka: bool = False
+    matryoshka_dimensions: list[int] = msgspec.field(default_factory=list)
+    labels: list[str] = msgspec.field(default_factory=list)  # classify: one name per logit
+
+
 class EngineInfo(msgspec.Struct, tag="info"):
     """What the front end learns from the core once it has loaded the model."""
 
@@ -132,6 +152,8 @@ class EngineInfo(msgspec.Struct, tag="info"):
     weight_bytes: int
     tokenizer: TokenizerSpec
     kv_cache_bytes: int = 0  # the KV cache's allocation (weights + this = the model's footprint)
+    tasks: list[str] = msgspec.field(default_factory=lambda: ["generate"])  # see kvik.core.pooling_params
+    pooling: PoolingInfo | None = None
 
 
 class StartupFailed(msgspec.Struct, tag="failed"):

@@ -3,7 +3,10 @@
 The batch holds every scheduled token of every sequence: one-token decodes first (attended together),
 then prefill chunks. Logits are computed only for rows that need them: the last token of each
 sequence whose known tokens are now all computed (to sample from), and prompt positions of sequences
-that asked for prompt logprobs.
+that asked for prompt logprobs. A pooling request whose prompt is now computed gets its pooled vector
+instead (`kvik.model.pooling`): truncated and normalised for embeddings, through the model's score
+head for classification. An encoder model has no KV cache (`num_blocks=0`): every chunk is a whole
+prompt attended on its own, and no slot mapping is needed.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from torch import nn
 from kvik.engine.device import advise_huge_pages
 from kvik.engine.scheduler import ScheduledChunk
 from kvik.model.layers.attention import AttentionMetadata, PrefillSpan
+from kvik.model.pooling import PoolingConfig, PoolSpan, finish_embeddings, pool
 from kvik.model.transforms.cpu_fused_ops import enable_decode_stack
 
 
@@ -35,16 +39,24 @@ class RunnerOutput:
     logits: torch.Tensor  # (rows, vocab) float32: sampling rows first, then prompt-logprob rows
     sample_chunks: list[ScheduledChunk] = field(default_factory=list)  # row i samples for chunk i
     prompt_slices: list[PromptLogitsSlice] = field(default_factory=list)
+    # Pooling requests finished this step: (chunk, 1-D float32 CPU tensor).
+    pooled: list[tuple[ScheduledChunk, torch.Tensor]] = field(default_factory=list)
 
 
 class ModelRunner:
     def __init__(self, model: nn.Module, *, num_blocks: int, block_size: int, num_layers: int,
                  num_kv_heads: int, head_dim: int, device: torch.device, dtype: torch.dtype,
-                 cpu_kernels: Any = None) -> None:
+                 cpu_kernels: Any = None, pooling: PoolingConfig | None = None) -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
+        self.pooling = pooling
+        self.has_kv_cache = num_blocks > 0
+        self.uses_cpu_kernel = False
+        if not self.has_kv_cache:  # an encoder
+            self.kv_cache = None
+            return
         # One allocation for every layer: (layers, k/v, kv_heads, blocks, block_size, head_dim).
         # Zeroed so that padding slots read by the batched gather are finite (masked afterwards);
         # huge pages requested before the zeroing touches the memory.
@@ -67,8 +79,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> RunnerOutput:
-        decodes = [c for c in chunks if c.num_new_tokens == 1]
-        prefills = [c for c in chunks if c.num_new_tokens > 1]
+        # Without a KV cache a one-token prompt is a (tiny) prefill: there is nothing to decode from.
+        decodes = [c for c in chunks if c.num_new_tokens == 1 and self.has_kv_cache]
+        prefills = [c for c in chunks if c.num_new_tokens > 1 or not self.has_kv_cache]
         ordered = decodes + prefills
         input_ids, positions, slots = self._flat_inputs(decodes, prefills)
         meta = self._attention_metadata(decodes, prefills, slots)
@@ -79,8 +92,16 @@ class ModelRunner:
         sample_chunks: list[ScheduledChunk] = []
         prompt_rows: list[torch.Tensor] = []
         prompt_slices: list[PromptLogitsSlice] = []
+        pool_chunks: list[ScheduledChunk] = []
+        pool_spans: list[PoolSpan] = []
         offset = 0
         for chunk in ordered:
+            if chunk.request.pooling is not None:
+                if chunk.completes_sequence:
+                    pool_chunks.append(chunk)
+                    pool_spans.append(PoolSpan(offset, chunk.num_new_tokens))
+                offset += chunk.num_new_tokens
+                continue
             if chunk.completes_sequence:
                 sample_rows.append(offset + chunk.num_new_tokens - 1)
                 sample_chunks.append(chunk)
@@ -102,8 +123,32 @@ class ModelRunner:
             next_row += piece.num_rows
         if prompt_rows:
             row_index = torch.cat([row_index, *prompt_rows])
-        logits = self.model.compute_logits(hidden[row_index.to(self.device)]).float()
-        return RunnerOutput(logits, sample_chunks, prompt_slices)
+        if row_index.numel():
+            logits = self.model.compute_logits(hidden[row_index.to(self.device)]).float()
+        else:
+            logits = hidden.new_empty(0, 0, dtype=torch.float32)
+        output = RunnerOutput(logits, sample_chunks, prompt_slices)
+        if pool_chunks:
+            output.pooled = list(zip(pool_chunks, self._pool(hidden, pool_chunks, pool_spans)))
+        return output
+
+    def _pool(self, hidden: torch.Tensor, chunks: list[ScheduledChunk], spans: list[PoolSpan]
+              ) -> list[torch.Tensor]:
+        """One float32 CPU vector per pooling request: the class logits, or the embedding."""
+        config = self.pooling
+        pooled = pool(hidden, spans, config.method)  # (B, hidden)
+        results: list[torch.Tensor | None] = [None] * len(chunks)
+        classify = [i for i, c in enumerate(chunks) if c.request.pooling.task == "classify"]
+        if classify:
+            logits = self.model.classify(pooled[classify]).float()
+            for row, i in enumerate(classify):
+                results[i] = logits[row]
+        embed = [i for i, c in enumerate(chunks) if c.request.pooling.task != "classify"]
+        if embed:
+            dims = [chunks[i].request.pooling.dimensions for i in embed]
+            for i, vector in zip(embed, finish_embeddings(pooled[embed], dims, config.normalize)):
+                results[i] = vector
+        return [r.cpu() for r in results]
 
     def _flat_inputs(self, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk]
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -121,9 +166,12 @@ class ModelRunner:
         parts_slots = [torch.tensor(slots, dtype=torch.long)]
         for chunk in prefills:
             positions = torch.arange(chunk.start, chunk.end)
-            table = torch.tensor(chunk.block_ids, dtype=torch.long)
             parts_ids.append(torch.tensor(chunk.request.all_token_ids[chunk.start:chunk.end]))
             parts_pos.append(positions)
+            if not self.has_kv_cache:  # nothing is written anywhere
+                parts_slots.append(torch.zeros(chunk.num_new_tokens, dtype=torch.long))
+                continue
+            table = torch.tensor(chunk.block_ids, dtype=torch.long)
             parts_slots.append(table[positions // size] * size + positions % size)
         device = self.device
         return (torch.cat(parts_ids).to(device), torch.cat(parts_pos).to(device),

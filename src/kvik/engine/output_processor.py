@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from kvik.core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from kvik.core.outputs import CompletionOutput, Logprob, PoolingRequestOutput, RequestMetrics, RequestOutput
 from kvik.core.sampling_params import OutputKind, SamplingParams
 from kvik.core.tokenizer import Tokenizer
 from kvik.engine.detokenizer import IncrementalDetokenizer, find_stop_string
@@ -58,9 +58,16 @@ class RequestState:
         return all(seq.finished for seq in self.sequences)
 
 
+@dataclass(slots=True, eq=False)
+class PoolingState:
+    request_id: str
+    prompt_token_ids: list[int]
+    metrics: RequestMetrics
+
+
 @dataclass(slots=True)
 class ProcessedOutputs:
-    outputs: list[RequestOutput] = field(default_factory=list)
+    outputs: list[RequestOutput | PoolingRequestOutput] = field(default_factory=list)
     # Sequences a stop string finished here while the core still runs them: abort them there.
     aborts: list[tuple[str, int]] = field(default_factory=list)
     # Requests the core failed (a step raised): (request id, message).
@@ -70,7 +77,7 @@ class ProcessedOutputs:
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
-        self.requests: dict[str, RequestState] = {}
+        self.requests: dict[str, RequestState | PoolingState] = {}
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, arrival_time: float) -> RequestState:
@@ -79,6 +86,12 @@ class OutputProcessor:
         state = RequestState(request_id, prompt, prompt_token_ids, params,
                              RequestMetrics(arrival_time=arrival_time),
                              [SequenceState(i, d) for i, d in enumerate(detokenizers)])
+        self.requests[request_id] = state
+        return state
+
+    def add_pooling_request(self, request_id: str, prompt_token_ids: list[int], arrival_time: float
+                            ) -> PoolingState:
+        state = PoolingState(request_id, prompt_token_ids, RequestMetrics(arrival_time=arrival_time))
         self.requests[request_id] = state
         return state
 
@@ -102,6 +115,16 @@ class OutputProcessor:
                 result.failures.append((core.request_id, core.error))
                 del self.requests[core.request_id]
                 changed.pop(core.request_id, None)
+                continue
+            if isinstance(state, PoolingState):
+                if core.pooled is not None:
+                    metrics = state.metrics
+                    metrics.first_scheduled_time = core.first_scheduled_time
+                    metrics.finished_time = now
+                    result.outputs.append(PoolingRequestOutput(
+                        state.request_id, state.prompt_token_ids, core.pooled, core.num_cached_tokens,
+                        metrics))
+                    del self.requests[core.request_id]
                 continue
             changed[core.request_id] = state
             state.num_cached_tokens = core.num_cached_tokens

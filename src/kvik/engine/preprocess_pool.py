@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvik.core.chat_template import ChatTemplateError, TemplateLimits
-from kvik.core.errors import InvalidRequestError
+from kvik.core.errors import ContextLengthExceededError, InvalidRequestError
+from kvik.core.memory import release_freed_memory
 from kvik.core.tokenizer import Tokenizer, TokenizerSpec
 
 logger = logging.getLogger("kvik.engine")
@@ -46,16 +47,28 @@ class RenderedPrompt:
 # -- in the worker process --
 
 _worker_tokenizer: Tokenizer | None = None
+_worker_max_tokens = 0
 
 
-def _init_worker(spec: TokenizerSpec, limits: TemplateLimits, memory_limit: int) -> None:
-    global _worker_tokenizer
+def _init_worker(spec: TokenizerSpec, limits: TemplateLimits, memory_limit: int, max_tokens: int) -> None:
+    global _worker_tokenizer, _worker_max_tokens
     if memory_limit > 0:
         try:
             resource.setrlimit(resource.RLIMIT_AS, (memory_limit, memory_limit))
         except (ValueError, OSError):
             pass
     _worker_tokenizer = Tokenizer(spec, limits)
+    _worker_max_tokens = max_tokens
+
+
+def _check_length(ids: list[int], where: str) -> list[int]:
+    """A prompt that cannot fit the context is refused here, so its (possibly millions of) ids are
+    never shipped to the server."""
+    if _worker_max_tokens and len(ids) >= _worker_max_tokens:
+        raise ContextLengthExceededError(
+            f"This model's maximum context length is {_worker_max_tokens} tokens, but the {where} has "
+            f"{len(ids)} tokens, leaving no room for output. Shorten the {where}.", param=where)
+    return ids
 
 
 def render_and_tokenize(tokenizer: Tokenizer, messages: list[dict[str, Any]], *,
@@ -74,18 +87,28 @@ def render_and_tokenize(tokenizer: Tokenizer, messages: list[dict[str, Any]], *,
 
 def _render_job(messages: list[dict[str, Any]], add_generation_prompt: bool, template: str | None,
                 tools: list[dict[str, Any]] | None, template_kwargs: dict[str, Any]) -> RenderedPrompt:
-    return render_and_tokenize(_worker_tokenizer, messages, add_generation_prompt=add_generation_prompt,
-                               template=template, tools=tools, template_kwargs=template_kwargs)
+    try:
+        rendered = render_and_tokenize(_worker_tokenizer, messages, add_generation_prompt=add_generation_prompt,
+                                       template=template, tools=tools, template_kwargs=template_kwargs)
+        _check_length(rendered.token_ids, "messages")
+        return rendered
+    finally:  # encoding megabytes allocates hundreds of MB of short-lived buffers
+        release_freed_memory()
 
 
 def _tokenize_job(texts: list[str], add_special_tokens: bool) -> list[list[int]]:
-    return [_worker_tokenizer.encode(text, add_special_tokens=add_special_tokens) for text in texts]
+    try:
+        return [_check_length(_worker_tokenizer.encode(text, add_special_tokens=add_special_tokens), "prompt")
+                for text in texts]
+    finally:
+        release_freed_memory()
 
 
 # -- in the front end --
 
 class PreprocessPool:
-    def __init__(self, spec: TokenizerSpec, limits: TemplateLimits, config: PreprocessConfig) -> None:
+    def __init__(self, spec: TokenizerSpec, limits: TemplateLimits, config: PreprocessConfig,
+                 max_prompt_tokens: int = 0) -> None:
         import multiprocessing
 
         import pebble
@@ -93,7 +116,7 @@ class PreprocessPool:
         self.config = config
         self._pool = pebble.ProcessPool(max_workers=config.workers, max_tasks=config.jobs_per_worker,
                                         initializer=_init_worker,
-                                        initargs=(spec, limits, config.memory_limit),
+                                        initargs=(spec, limits, config.memory_limit, max_prompt_tokens),
                                         context=multiprocessing.get_context("spawn"))
 
     async def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool,

@@ -18,6 +18,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvik.core.pooling_params import PoolingParams
 from kvik.core.sampling_params import SamplingParams
 from kvik.engine.messages import TokenLogprobs
 
@@ -85,6 +86,11 @@ class Request:
     # prefix cache, and after a preemption it skips positions already scored.
     wants_prompt_logprobs: bool = False
     num_prompt_logprobs_done: int = 0
+    # A pooling request produces one vector when its prompt is computed, and no tokens.
+    pooling: PoolingParams | None = None
+    # Compute the prompt in one step, with no prefix-cache hit: an encoder (no KV cache to continue
+    # from) or pooling that reads every row (mean, CLS).
+    needs_whole_prompt: bool = False
     generator: Any = None  # torch.Generator for seeded sampling, created by the sampler
     finish_reason: str | None = None
     stop_reason: int | None = None

@@ -17,6 +17,12 @@ reads the KV manager; speculative tokens and LoRA or grammar state would ride al
 After the model ran, `update_from_output` owns the bookkeeping: it advances `num_computed_tokens`,
 registers newly computed blocks in the prefix cache, appends sampled tokens, applies the token-level
 stop conditions and returns one `EngineCoreOutput` per sequence that produced something.
+
+Pooling requests (embeddings, classification) ride the same queue and budget. They end in the step
+that computes their last prompt token, with the pooled vector instead of a sampled token. One that
+`needs_whole_prompt` (an encoder's, or mean/CLS pooling) is admitted only when its whole prompt fits
+the step's remaining budget, and never reads the prefix cache. An encoder model has no KV cache at
+all (`uses_kv_cache=False`): nothing is allocated for its requests.
 """
 
 from __future__ import annotations
@@ -55,10 +61,6 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
 
     @property
-    def num_batched_tokens(self) -> int:
-        return sum(chunk.num_new_tokens for chunk in self.chunks)
-
-    @property
     def is_empty(self) -> bool:
         return not self.chunks
 
@@ -66,8 +68,10 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True, *, eos_token_ids: frozenset[int] = frozenset(),
-                 max_model_len: int = 2**31, policy: FcfsPolicy | None = None) -> None:
+                 max_model_len: int = 2**31, uses_kv_cache: bool = True,
+                 policy: FcfsPolicy | None = None) -> None:
         self.kv = kv
+        self.uses_kv_cache = uses_kv_cache
         self.policy = policy or FcfsPolicy()
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
@@ -83,10 +87,6 @@ class Scheduler:
         self.waiting.append(request)
         self.policy.on_add(request)
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
-
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
@@ -101,7 +101,7 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(request, num_new):
+            while self.uses_kv_cache and not self.kv.allocate_slots(request, num_new):
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 if victim is request:
@@ -118,22 +118,25 @@ class Scheduler:
             if leader is not None and not self._prompt_computed(leader):
                 continue  # a sibling of an n>1 request: admitted once the prompt's blocks are cached
             request.wait_for_prompt_of = None
-            hit = self.kv.find_cached_prefix(request) if request.num_computed_tokens == 0 else None
+            whole = request.needs_whole_prompt
+            hit = (self.kv.find_cached_prefix(request)
+                   if request.num_computed_tokens == 0 and not whole and self.uses_kv_cache else None)
             hit_tokens = hit.num_blocks * self.kv.block_size if hit else 0
             num_wanted = request.num_tokens - request.num_computed_tokens - hit_tokens
-            room = self._make_room(request, out, budget, num_wanted)
+            room = self._make_room(request, out, budget, num_wanted, chunkable=not whole)
             if room is None:
                 return  # nobody overtakes the head of the queue
             budget = room
             num_new = min(num_wanted, budget)
-            while not self.kv.allocate_slots(request, num_new, hit):
+            while self.uses_kv_cache and not self.kv.allocate_slots(request, num_new, hit):
                 freed = self._preempt_for(request, out)
                 if freed is None:
                     return  # nobody overtakes the head of the queue for blocks
                 budget += freed
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = hit_tokens
-                self.kv.record_prefix_query(request.num_tokens, hit_tokens)
+                if self.uses_kv_cache:
+                    self.kv.record_prefix_query(request.num_tokens, hit_tokens)
             self.policy.on_admit(request, max(0, request.num_prompt_tokens - hit_tokens))
             request.num_computed_tokens += hit_tokens
             self.waiting.remove(request)
@@ -149,9 +152,11 @@ class Scheduler:
 
     # -- displacement: a waiting sequence taking the place of running ones the policy ranks lower --
 
-    def _make_room(self, request: Request, out: SchedulerOutput, budget: int, num_wanted: int) -> int | None:
+    def _make_room(self, request: Request, out: SchedulerOutput, budget: int, num_wanted: int, *,
+                   chunkable: bool = True) -> int | None:
         """A batch slot and token budget for `request`, displacing what the policy allows; the
-        budget it may use, or None if it cannot be admitted this step."""
+        budget it may use, or None if it cannot be admitted this step. A request that is not
+        `chunkable` (a pooling request that needs its whole prompt at once) needs all of it."""
         while len(self.running) >= self.max_num_seqs:
             freed = self._preempt_for(request, out)
             if freed is None:
@@ -159,7 +164,7 @@ class Scheduler:
             budget += freed
         if budget < num_wanted:
             budget += self._defer_for(request, out, num_wanted - budget)
-        if budget <= 0 or (num_wanted > budget and not self.enable_chunked_prefill):
+        if budget <= 0 or (num_wanted > budget and not (chunkable and self.enable_chunked_prefill)):
             return None
         return budget
 
@@ -228,9 +233,10 @@ class Scheduler:
     # -- after the step --
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[Request, tuple[int, TokenLogprobs | None]],
-                           ) -> list[EngineCoreOutput]:
+                           pooled: dict[Request, bytes] | None = None) -> list[EngineCoreOutput]:
         """Apply one executed step: `sampled` maps each sequence whose known tokens were all
-        computed to its new token (and logprobs). Returns what each sequence produced."""
+        computed to its new token (and logprobs), `pooled` each pooling request whose prompt is now
+        computed to its vector (float32 bytes). Returns what each sequence produced."""
         now = time.time()
         outputs: list[EngineCoreOutput] = []
         for chunk in out.chunks:
@@ -242,6 +248,15 @@ class Scheduler:
                 group.first_scheduled_time = now
                 group.num_cached_tokens = max(request.num_cached_tokens, 0)
             if request.status.finished:  # aborted while the step ran (cannot happen in-process)
+                continue
+            if request.pooling is not None:
+                vector = pooled.get(request) if pooled else None
+                if vector is not None:
+                    request.finish_reason = RequestStatus.FINISHED_STOPPED.value
+                    self.finish(request, RequestStatus.FINISHED_STOPPED)
+                    output = self._output(request, [], None, None)
+                    output.pooled = vector
+                    outputs.append(output)
                 continue
             result = sampled.get(request)
             prompt_logprobs = self._take_prompt_logprobs(request)

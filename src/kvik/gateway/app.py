@@ -1,10 +1,11 @@
-"""The FastAPI application: routes, the error envelope, and the state's lifetime."""
+"""The FastAPI application: routes, the error envelope, client limits, and the state's lifetime."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -12,14 +13,19 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvik.core.errors import InvalidRequestError, KvikError, NotFoundError
+from kvik.web.client_limits import ClientLimits, send_error
 from kvik.gateway.config import GatewayConfig
-from kvik.gateway.routes import admin, admin_console, batches, conversations, openai, ops, tenancy
+from kvik.gateway.openapi import add_components
+from kvik.gateway.routes import admin, admin_console, batches, conversations, openai, ops, scheduling
 from kvik.gateway.serving import ProxyService
 from kvik.gateway.state import GatewayState
 from kvik.protocol.errors import error_body, error_from_exception
+from kvik.protocol.openai import ChatCompletionRequest, CompletionRequest
 from kvik.web import PageConfig, install_web
 
 logger = logging.getLogger("kvik.gateway")
+
+METRICS_PATH = "/metrics"
 
 
 def create_app(config: GatewayConfig) -> FastAPI:
@@ -33,15 +39,22 @@ def create_app(config: GatewayConfig) -> FastAPI:
         finally:
             await state.close()
 
-    app = FastAPI(title="kvik gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="kvik gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.include_router(openai.router)
     app.include_router(admin.router)
     app.include_router(ops.router)
     app.include_router(admin_console.router)
     app.include_router(conversations.router)
-    app.include_router(tenancy.router)
+    app.include_router(scheduling.router)
     app.include_router(batches.router)
     install_web(app, PageConfig(product="gateway", conversations="server", console=True))
+    served = [name for model in config.models for name in (model.name, *model.aliases)]
+    app.openapi = add_components(  # type: ignore[method-assign]
+        app, [ChatCompletionRequest, CompletionRequest, admin.KeyCreate], served_models=served)
+    # Outermost first: which listener may serve what, then the size and time limits on bodies.
+    app.add_middleware(ClientLimits, max_body_bytes=config.limits.max_body_bytes,
+                       body_timeout_s=config.limits.body_timeout_s)
+    app.add_middleware(ListenerGate, metrics_port=config.metrics.port)
 
     @app.exception_handler(KvikError)
     async def on_kvik_error(request: Request, exc: KvikError) -> JSONResponse:
@@ -69,3 +82,21 @@ def create_app(config: GatewayConfig) -> FastAPI:
         return JSONResponse(error_body("The gateway had an internal error.", "server_error"), status_code=500)
 
     return app
+
+
+class ListenerGate:
+    """ASGI middleware for a separate metrics listener (`metrics.port`): `/metrics` is served only
+    there, and only `/metrics` is. The listener is told by the local port of the connection."""
+
+    def __init__(self, app: Any, *, metrics_port: int | None) -> None:
+        self.app = app
+        self.metrics_port = metrics_port
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if self.metrics_port is not None and scope["type"] == "http":
+            server = scope.get("server") or (None, None)
+            on_metrics_listener = server[1] == self.metrics_port
+            if on_metrics_listener != (scope["path"] == METRICS_PATH):
+                await send_error(send, NotFoundError(f"Unknown path {scope['path']}."))
+                return
+        await self.app(scope, receive, send)

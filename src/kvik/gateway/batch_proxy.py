@@ -3,10 +3,13 @@ batches (`batches.upstream` in the config), per key.
 
 The server keeps files and batches per tenant; the gateway names the tenant (`X-Kvik-Tenant`: the key
 id) and its fair-share weight on every call, so each key sees only its own. Bodies are passed as
-bytes (multipart uploads included) within the gateway's body limit for files. Creating a batch
-checks the key's budget and rate limit like a request; a batch's tokens are charged to the key once,
-the first time the gateway sees it finished (any read of it: the SDK's polling does), as one usage
-row (endpoint `batch`, model `batch`). `gateway_batches` remembers which batches were charged.
+bytes (multipart uploads included) within the gateway's `limits.max_body_bytes`. Creating a file or
+a batch is refused like a request when the key's budget is used up, and counts against its RPM (its
+tokens are unknown until it runs, so nothing is reserved); a batch's tokens are charged to the
+key's budget once, the first time the gateway sees it finished (any read of it: the SDK's polling
+does), as one usage row (endpoint `batch`, model `batch`). They are not counted against the key's
+TPM: a batch runs in the background tier, on capacity interactive traffic leaves idle.
+`gateway_batches` remembers which batches were charged.
 """
 
 from __future__ import annotations
@@ -20,10 +23,12 @@ import httpx
 from kvik.core.errors import NotFoundError, QuotaExceededError, UpstreamError
 from kvik.gateway.auth import Principal
 from kvik.gateway.state import GatewayState
+from kvik.gateway.tokens import TokenEstimate
 from kvik.gateway.usage import UsageRecord
 
 TERMINAL = frozenset({"completed", "failed", "expired", "cancelled"})
-MAX_FILE_BYTES = 200 * 2**20
+# Admission of a new file or batch: what it will use is not known yet.
+_NOTHING_YET = TokenEstimate(prompt=0, completion=0, explicit=False)
 
 
 class BatchProxy:
@@ -38,13 +43,13 @@ class BatchProxy:
         upstream = state.config.batches.upstream
         if method == "POST" and path in ("/v1/batches", "/v1/files"):
             try:
-                state.auth.check_budget(principal)
+                state.auth.budgets.reserve(principal, _NOTHING_YET)  # holds 0; refuses a spent budget
             except QuotaExceededError:
                 state.metrics.rate_limited.labels("budget").inc()
                 raise
-            await state.limiter.admit(principal)
-        fields = await state.tenancy.key_fields(principal)
-        headers = {"x-kvik-tenant": fields["tenant"], "x-kvik-tenant-weight": str(fields["tenant_weight"]),
+            await state.limiter.admit(principal, _NOTHING_YET)  # holds no TPM; counts RPM
+        weight = (await state.scheduling.of(principal)).weight
+        headers = {"x-kvik-tenant": state.scheduling.batch_owner(principal), "x-kvik-tenant-weight": str(weight),
                    "accept-encoding": "identity"}
         if content_type:
             headers["content-type"] = content_type
@@ -86,7 +91,7 @@ class BatchProxy:
         if not claimed:
             return  # charged already, or not created through this gateway
         prompt, completion = int(usage.get("input_tokens") or 0), int(usage.get("output_tokens") or 0)
-        self.state.auth.note_tokens(principal, prompt + completion)
+        self.state.auth.budgets.settle(principal, 0, prompt + completion)
         self.state.usage.record(UsageRecord(
             created_at=float(batch.get("created_at") or time.time()), request_id=batch["id"],
             key_id=principal.key_id, model="batch", replica=self.state.config.batches.upstream.url,

@@ -8,6 +8,10 @@ one success closes the breaker with a fresh window, one failure opens it for ano
 
 Ask-then-act: `can_attempt()` is side-effect free (the balancer filters with it); `on_attempt()`
 claims a half-open probe slot for the replica actually chosen.
+
+A closed breaker opens only when `may_open()` agrees: the pool it belongs to caps how many of its
+replicas may be ejected at once (Envoy's max_ejection_percent), so failures that look like the
+replicas' fault can never take a whole model offline.
 """
 
 from __future__ import annotations
@@ -29,10 +33,12 @@ class BreakerState(IntEnum):
 
 class CircuitBreaker:
     def __init__(self, config: BreakerConfig, *, clock: Callable[[], float] = time.monotonic,
-                 on_transition: Callable[[BreakerState], None] | None = None) -> None:
+                 on_transition: Callable[[BreakerState], None] | None = None,
+                 may_open: Callable[[], bool] | None = None) -> None:
         self._config = config
         self._clock = clock
         self._on_transition = on_transition
+        self._may_open = may_open
         self._state = BreakerState.CLOSED
         self._opened_at = 0.0
         self._probes_in_flight = 0
@@ -46,6 +52,11 @@ class CircuitBreaker:
         if self._state is BreakerState.OPEN and self._clock() - self._opened_at >= self._config.sleep_window_s:
             self._transition(BreakerState.HALF_OPEN)
         return self._state
+
+    @property
+    def ejected(self) -> bool:
+        """Open or half-open: the replica is out of normal rotation."""
+        return self.state is not BreakerState.CLOSED
 
     def retry_after(self) -> float:
         """Seconds until an open breaker lets a probe through (0 when it already would)."""
@@ -83,7 +94,8 @@ class CircuitBreaker:
         if state is BreakerState.OPEN:
             return  # a straggler that started before the breaker opened
         self._bucket()[2] += 1
-        if self._consecutive_failures >= self._config.consecutive_failures or self._error_rate_tripped():
+        tripped = self._consecutive_failures >= self._config.consecutive_failures or self._error_rate_tripped()
+        if tripped and (self._may_open is None or self._may_open()):
             self._open()
 
     def record_neutral(self) -> None:

@@ -87,6 +87,10 @@ class HealthConfig(_Section):
     path: str = "/health"
     unhealthy_after: int = Field(default=2, ge=1)  # consecutive failed probes before a replica is marked down
     healthy_after: int = Field(default=1, ge=1)  # consecutive good probes before it is marked up again
+    # Envoy's healthy panic threshold: when fewer than this share of a model's replicas can take
+    # traffic (probes and breakers together), route to all of them instead, because failing every
+    # request is worse than trying replicas that may be fine. 0 turns panic routing off.
+    panic_threshold_percent: float = Field(default=50.0, ge=0, le=100)
 
 
 class BreakerConfig(_Section):
@@ -100,6 +104,10 @@ class BreakerConfig(_Section):
     # Passive ejection: this many consecutive connect errors or 5xx trip the breaker at once, without
     # waiting for the volume threshold (a dead process should not cost 20 failed attempts).
     consecutive_failures: int = Field(default=5, ge=1)
+    # Envoy's max_ejection_percent: at most this share of a model's replicas may have an open (or
+    # half-open) breaker at once; at least one may when the model has two or more, never all of them.
+    # 0: breakers never open.
+    max_ejection_percent: float = Field(default=50.0, ge=0, le=100)
 
 
 class RetryConfig(_Section):
@@ -112,8 +120,12 @@ class RetryConfig(_Section):
 
 class TimeoutConfig(_Section):
     connect_s: float = Field(default=2.0, gt=0)
-    # Longest silence between two bytes of an answer; for a non-streaming request that is the whole
-    # generation, since nothing arrives before it is done.
+    # Streaming, per try: from sending the request to the first event. A replica that has sent
+    # nothing by then is abandoned (its connection closed) and the request goes to another one.
+    first_byte_s: float = Field(default=60.0, gt=0)
+    # Longest silence between two bytes of an answer. For a non-streaming request that is the whole
+    # try (nothing arrives before the generation is done), after which the request fails over; a
+    # stream silent this long after its first event ends with an error event.
     read_s: float = Field(default=300.0, gt=0)
 
 
@@ -124,6 +136,9 @@ class CacheConfig(_Section):
     max_entries: int = Field(default=10_000, ge=1)  # memory backend
     max_bytes: int = Field(default=64 * 1024 * 1024, ge=1)  # memory backend, sum of entry sizes
     max_entry_bytes: int = Field(default=1024 * 1024, ge=1)  # larger responses are not stored
+    # Entries are scoped to the tenant (the key's team, or the key) unless this is true: a shared
+    # entry, and its `x-kvik-cache: hit`, tells one tenant what another asked.
+    share_across_tenants: bool = False
 
 
 class PiiPattern(_Section):
@@ -180,7 +195,32 @@ class LimitsConfig(_Section):
     # Applied to keys that have no limit of their own; null means unlimited.
     default_rpm: int | None = Field(default=None, ge=1)
     default_tpm: int | None = Field(default=None, ge=1)
+    # Completion tokens reserved per choice, at admission, for a request that sets no max_tokens
+    # (TPM and budgets reserve prompt + completion up front and settle the difference at the end).
+    reserve_completion_tokens: int = Field(default=512, ge=1)
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+    # Slow clients (slowloris): the request line and headers must arrive within header_timeout_s of
+    # the request's first byte, and the body within body_timeout_s of the headers; else 408.
+    header_timeout_s: float = Field(default=10.0, gt=0)
+    body_timeout_s: float = Field(default=60.0, gt=0)
+
+
+class MetricsConfig(_Section):
+    # /metrics names every replica URL. Either give it a listener of its own (a port only the
+    # scraper can reach; then it is not served on the main port) ...
+    port: int | None = Field(default=None, ge=1, le=65535)
+    host: str | None = None  # the metrics listener's interface (default: the gateway's host)
+    # ... or, on the main port, require an admin key (`admin_key`) or nothing (`none`).
+    auth: Literal["admin_key", "none"] = "admin_key"
+
+
+class TenancyConfig(_Section):
+    # Send each tenant's `cache_salt` upstream (an HMAC of its team or key id, overriding the
+    # client's), so replicas keep tenants' prefix-cache entries apart after the shared system prompt.
+    cache_salt: bool = True
+    # The HMAC secret (`env:VAR`). Null: a random secret per process, so salts change on restart and
+    # differ between gateway instances (a colder prefix cache, never a shared one).
+    cache_salt_secret: str | None = None
 
 
 class SchedulingConfig(_Section):
@@ -221,6 +261,8 @@ class GatewayConfig(_Section):
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     scheduling: SchedulingConfig = Field(default_factory=SchedulingConfig)
     batches: BatchesConfig | None = None
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    tenancy: TenancyConfig = Field(default_factory=TenancyConfig)
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=1, le=65535)
 
@@ -249,6 +291,8 @@ class GatewayConfig(_Section):
                 seen[name] = where
         if self.cache.backend == "redis" and self.redis_url is None:
             raise ValueError("cache.backend: 'redis' needs redis_url")
+        if self.metrics.port is not None and self.metrics.port == self.port:
+            raise ValueError("metrics.port: must differ from port (or be null to serve /metrics on the main port)")
         return self
 
 
@@ -273,7 +317,7 @@ def parse_config(raw: dict[str, Any], *, base_dir: Path | None = None) -> Gatewa
     return config
 
 
-_SECRET_FIELDS = ("api_key", "admin_key", "database_url", "redis_url")
+_SECRET_FIELDS = ("api_key", "admin_key", "database_url", "redis_url", "cache_salt_secret")
 
 
 def _resolve_env(node: Any, where: str) -> Any:

@@ -1,8 +1,10 @@
 """Active health probes: GET each replica's health path on a fixed interval.
 
 A replica is marked down after `unhealthy_after` failed probes in a row and up again after
-`healthy_after` good ones. Passive signals (connect errors and 5xx on real traffic) go to the
-replica's circuit breaker instead; the balancer needs both to agree before it sends traffic.
+`healthy_after` good ones. Marking it down also expires the attempts on it that are still waiting
+for their first byte, so they fail over to another replica. Passive signals (connect errors and 5xx
+on real traffic) go to the replica's circuit breaker instead; the balancer needs both to agree
+before it sends traffic.
 """
 
 from __future__ import annotations
@@ -75,5 +77,8 @@ class HealthProber:
         if flip:
             replica.healthy = ok
             logger.warning("replica %s of %s is now %s", replica.url, replica.model, "up" if ok else "down")
+            if not ok:
+                # Requests it has not answered at all yet fail over now (a stopped process never will).
+                replica.abandon_waiting()
             if self._on_change is not None:
                 self._on_change(replica)

@@ -21,7 +21,9 @@ from kvik.gateway.storage.database import Database, Row
 SECRET_PREFIX = "kvik-"
 ROLES = ("user", "admin")
 _DISPLAY_PREFIX_CHARS = 12
-UPDATABLE_FIELDS = ("name", "models", "rpm", "tpm", "token_budget")
+UPDATABLE_FIELDS = ("name", "models", "rpm", "tpm", "token_budget", "team")
+# Limits and budgets are stored as 64-bit integers and travel as JSON numbers: keep them exact in both.
+MAX_LIMIT = 2**53 - 1
 
 
 @dataclass(slots=True)
@@ -37,6 +39,8 @@ class ApiKey:
     tokens_used: int
     created_at: float
     revoked_at: float | None = None
+    # Keys of one team are one tenant: they share response-cache entries and the prefix-cache salt.
+    team: str | None = None
 
     @property
     def is_admin(self) -> bool:
@@ -66,17 +70,18 @@ class KeyStore:
         self._db = db
 
     def create(self, name: str, *, role: str = "user", models: list[str] | None = None,
-               rpm: int | None = None, tpm: int | None = None, token_budget: int | None = None) -> NewKey:
-        _validate(name, role, models, rpm, tpm, token_budget)
+               rpm: int | None = None, tpm: int | None = None, token_budget: int | None = None,
+               team: str | None = None) -> NewKey:
+        _validate(name, role, models, rpm, tpm, token_budget, team)
         secret = SECRET_PREFIX + secrets.token_urlsafe(32)
         key = ApiKey(id="key_" + secrets.token_hex(8), name=name, key_prefix=secret[:_DISPLAY_PREFIX_CHARS],
                      role=role, models=models, rpm=rpm, tpm=tpm, token_budget=token_budget, tokens_used=0,
-                     created_at=time.time())
+                     created_at=time.time(), team=team)
         self._db.execute(
             "INSERT INTO api_keys (id, name, key_hash, key_prefix, role, models, rpm, tpm, token_budget, "
-            "tokens_used, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "tokens_used, created_at, team) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (key.id, name, hash_secret(secret), key.key_prefix, role,
-             None if models is None else json.dumps(models), rpm, tpm, token_budget, 0, key.created_at))
+             None if models is None else json.dumps(models), rpm, tpm, token_budget, 0, key.created_at, team))
         return NewKey(key=key, secret=secret)
 
     def list(self, *, include_revoked: bool = False) -> list[ApiKey]:
@@ -114,11 +119,13 @@ class KeyStore:
             raise InvalidRequestError(f"{field}: cannot be changed; change {', '.join(UPDATABLE_FIELDS)}",
                                       param=field)
         merged = {field: changes.get(field, getattr(key, field)) for field in UPDATABLE_FIELDS}
-        _validate(merged["name"], key.role, merged["models"], merged["rpm"], merged["tpm"], merged["token_budget"])
+        _validate(merged["name"], key.role, merged["models"], merged["rpm"], merged["tpm"], merged["token_budget"],
+                  merged["team"])
         models = merged["models"]
-        self._db.execute("UPDATE api_keys SET name = ?, models = ?, rpm = ?, tpm = ?, token_budget = ? WHERE id = ?",
+        self._db.execute("UPDATE api_keys SET name = ?, models = ?, rpm = ?, tpm = ?, token_budget = ?, team = ? "
+                         "WHERE id = ?",
                          (merged["name"], None if models is None else json.dumps(models), merged["rpm"],
-                          merged["tpm"], merged["token_budget"], key_id))
+                          merged["tpm"], merged["token_budget"], merged["team"], key_id))
         return self.get(key_id)
 
     def add_tokens_used(self, totals: dict[str, int]) -> None:
@@ -127,16 +134,29 @@ class KeyStore:
 
 
 def _validate(name: str, role: str, models: list[str] | None, rpm: int | None, tpm: int | None,
-              token_budget: int | None) -> None:
-    if not name or len(name) > 200:
+              token_budget: int | None, team: str | None) -> None:
+    if not _is_text(name):
         raise InvalidRequestError("name: give a name of 1 to 200 characters", param="name")
+    if team is not None and not _is_text(team):
+        raise InvalidRequestError("team: give a team name of 1 to 200 characters, or null", param="team")
     if role not in ROLES:
         raise InvalidRequestError(f"role: {role!r} is not one of {', '.join(ROLES)}", param="role")
-    if models is not None and (not isinstance(models, list) or not all(isinstance(m, str) and m for m in models)):
+    if models is not None and (not isinstance(models, list) or not all(_is_text(m) for m in models)):
         raise InvalidRequestError("models: give a list of model names", param="models")
     for field, value in (("rpm", rpm), ("tpm", tpm), ("token_budget", token_budget)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise InvalidRequestError(f"{field}: must be a positive integer or null", param=field)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_LIMIT):
+            raise InvalidRequestError(f"{field}: must be an integer from 1 to {MAX_LIMIT}, or null", param=field)
+
+
+def _is_text(value: object) -> bool:
+    """1 to 200 characters that have a UTF-8 encoding (JSON allows lone surrogates; SQL does not)."""
+    if not isinstance(value, str) or not 1 <= len(value) <= 200:
+        return False
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _from_row(row: Row) -> ApiKey:
@@ -144,4 +164,5 @@ def _from_row(row: Row) -> ApiKey:
                   models=None if row["models"] is None else json.loads(row["models"]),
                   rpm=row["rpm"], tpm=row["tpm"], token_budget=row["token_budget"],
                   tokens_used=int(row["tokens_used"]), created_at=float(row["created_at"]),
-                  revoked_at=None if row["revoked_at"] is None else float(row["revoked_at"]))
+                  revoked_at=None if row["revoked_at"] is None else float(row["revoked_at"]),
+                  team=row.get("team"))

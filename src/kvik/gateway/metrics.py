@@ -47,6 +47,12 @@ class GatewayMetrics:
                              ["model", "result"], registry=r)
         self.blocked = Counter("kvik_gateway_guardrail_blocks", "Requests blocked by the moderation hook.",
                                ["model"], registry=r)
+        self.panic_picks = Counter("kvik_gateway_panic_routing",
+                                   "Attempts routed in panic mode (too few replicas available: all tried).",
+                                   ["model"], registry=r)
+
+    def on_panic(self, model: str) -> None:
+        self.panic_picks.labels(model).inc()
 
     def on_breaker_transition(self, model: str, replica: str, state: BreakerState) -> None:
         self.breaker_state.labels(model, replica).set(int(state))

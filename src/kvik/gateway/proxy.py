@@ -1,10 +1,24 @@
 """Sending a request upstream, with failover.
 
-An attempt that fails before anything reached the client (connect error, timeout, reset, a 5xx, or
-429 from an overloaded replica) is retried on a replica not tried yet, within `max_attempts` and the
-retry budget. For streaming requests the first chunk is read before the answer is handed to the
-relay, so a replica that dies before producing a token is still failed over; after that first chunk
-bytes flow to the client and a failure can only be reported in-stream.
+What is retried, on a replica not tried yet, within `max_attempts` and the retry budget: only
+attempts that delivered nothing to the client (a request is committed to a replica at its first
+relayed byte). Chat and completion requests change nothing on a replica, and an abandoned attempt's
+connection is closed so the replica stops generating; so such a retry is safe. Retried:
+
+- connect errors, resets, and timeouts: a stream's first event later than `timeouts.first_byte_s`,
+  a non-streaming answer silent for `timeouts.read_s`, or an attempt still waiting when the health
+  probes mark its replica down;
+- 429, and 503 with Retry-After (a healthy replica saying it is full);
+- other 5xx, once: a 5xx that the same request gets again from a second replica is the request's own
+  doing (a query of death), so it is answered as it is, not tried on every replica.
+
+Never retried: 4xx (the request is wrong everywhere) and anything after the first relayed byte.
+
+What the breakers hear: transport failures and timeouts count against the replica; 4xx, 429,
+overload 503s and a client that left count for nothing; a 5xx counts against the replica only when
+another replica then answers the same request (2xx), and for nothing when another replica rejects it
+as well (5xx or 4xx). A 5xx with no second opinion counts, and the pool's ejection cap keeps that
+from taking a whole model offline.
 
 The proxy finishes every attempt it abandons. For the attempt it returns, the caller owns the
 replica's slot and must call `UpstreamAnswer.finish` exactly once (after the last byte relayed).
@@ -12,10 +26,9 @@ replica's slot and must call `UpstreamAnswer.finish` exactly once (after the las
 
 from __future__ import annotations
 
-import json
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import httpx
 
@@ -26,7 +39,13 @@ from kvik.gateway.replica import Outcome, Replica
 from kvik.gateway.retry_budget import RetryBudget
 from kvik.gateway.router import ModelPool
 
-RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
+
+class AttemptTimeout(Exception):
+    """An attempt that produced nothing in time, or whose replica was marked down meanwhile."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason  # the `reason` label of the retries metric
 
 
 @dataclass(slots=True, eq=False)
@@ -46,8 +65,15 @@ class UpstreamAnswer:
     def streaming(self) -> bool:
         return self.rest is not None
 
-    async def finish(self, outcome: Outcome) -> None:
-        """Close the upstream stream and release the replica slot; safe to call twice."""
+    @property
+    def overloaded(self) -> bool:
+        """A healthy replica saying it is full: 429, or 503 with Retry-After (kvik serve's admission
+        control). Retried elsewhere, never held against the replica."""
+        return self.status == 429 or (self.status == 503 and self.retry_after is not None)
+
+    async def finish(self, outcome: Outcome | None) -> None:
+        """Close the upstream stream and release the replica slot; safe to call twice. `None`
+        leaves the breaker's verdict to `Replica.judge`."""
         if self._finished:
             return
         self._finished = True
@@ -58,52 +84,69 @@ class UpstreamAnswer:
 
 class UpstreamProxy:
     def __init__(self, client: httpx.AsyncClient, max_attempts: int, budget: RetryBudget,
-                 metrics: GatewayMetrics) -> None:
+                 metrics: GatewayMetrics, *, first_byte_s: float) -> None:
         self._client = client
         self._max_attempts = max_attempts
         self._budget = budget
         self._metrics = metrics
+        self._first_byte_s = first_byte_s
 
-    async def send(self, pool: ModelPool, path: str, body: dict[str, Any], *, stream: bool,
+    async def send(self, pool: ModelPool, path: str, payload: bytes, *, stream: bool,
                    context: RoutingContext, request_id: str) -> UpstreamAnswer:
-        """The first answer worth relaying: a success, a client error (4xx) the replica gave, or, when
-        every attempt failed, the last upstream error answer. Raises 503 when no replica is available
-        and 502 when every attempt failed without an answer."""
+        """The first answer worth relaying: a success, a client error (4xx) the replica gave, a 5xx
+        two replicas agree on, or, when every attempt failed, the last upstream error answer. Raises
+        503 when no replica is available and 502 when every attempt failed without an answer."""
         self._budget.record_request()
-        payload = json.dumps(body).encode()
         tried: set[Replica] = set()
+        suspects: list[Replica] = []  # replicas whose 5xx awaits a second opinion
         last_answer: UpstreamAnswer | None = None
         last_reason = ""
-        for attempt in range(1, self._max_attempts + 1):
-            replica = pool.pick(context, tried)
-            if replica is None:
-                break
-            if attempt > 1:
-                if not self._budget.try_spend():
+        try:
+            for attempt in range(1, self._max_attempts + 1):
+                replica = pool.pick(context, tried)
+                if replica is None:
                     break
-                self._metrics.retries.labels(pool.name, last_reason).inc()
-            tried.add(replica)
-            replica.begin_attempt()
-            try:
-                answer = await self._attempt(replica, path, payload, stream, attempt, request_id)
-            except httpx.TransportError as exc:
-                replica.finish_attempt(Outcome.FAILURE)
-                last_reason = _reason(exc)
-                continue
-            except BaseException:  # cancelled: the client went away while we waited
-                replica.finish_attempt(Outcome.NEUTRAL)
-                raise
-            if answer.status in RETRY_STATUSES or answer.status >= 500:
-                # A 503 with Retry-After is a healthy replica saying it is full (kvik serve's
-                # admission control): retry elsewhere, but do not count it against its breaker.
-                overloaded = answer.status == 503 and answer.retry_after is not None
-                failed = answer.status >= 500 and not overloaded
-                await answer.finish(Outcome.FAILURE if failed else Outcome.NEUTRAL)
-                last_answer, last_reason = answer, f"status_{answer.status}"
-                continue
-            if not answer.streaming:
-                await answer.finish(Outcome.SUCCESS if answer.status < 400 else Outcome.NEUTRAL)
-            return answer
+                if attempt > 1:
+                    if not self._budget.try_spend():
+                        break
+                    self._metrics.retries.labels(pool.name, last_reason).inc()
+                tried.add(replica)
+                replica.begin_attempt()
+                try:
+                    answer = await self._attempt(replica, path, payload, stream, attempt, request_id)
+                except (httpx.TransportError, AttemptTimeout) as exc:
+                    replica.finish_attempt(Outcome.FAILURE)
+                    last_reason = _reason(exc)
+                    continue
+                except BaseException:  # cancelled: the client went away while we waited
+                    replica.finish_attempt(Outcome.NEUTRAL)
+                    raise
+                if answer.overloaded:
+                    await answer.finish(Outcome.NEUTRAL)
+                    last_answer, last_reason = answer, f"status_{answer.status}"
+                    continue
+                if answer.status >= 500:
+                    await answer.finish(None)
+                    if suspects:  # the second replica agrees: the request is the cause
+                        for suspect in (*suspects, replica):
+                            suspect.judge(Outcome.NEUTRAL)
+                        suspects.clear()
+                        return answer
+                    suspects.append(replica)
+                    last_answer, last_reason = answer, f"status_{answer.status}"
+                    continue
+                # A 2xx clears the request and convicts earlier 5xx replicas; a 4xx shows the
+                # request was at fault there too.
+                verdict = Outcome.FAILURE if answer.status < 400 else Outcome.NEUTRAL
+                for suspect in suspects:
+                    suspect.judge(verdict)
+                suspects.clear()
+                if not answer.streaming:
+                    await answer.finish(Outcome.SUCCESS if answer.status < 400 else Outcome.NEUTRAL)
+                return answer
+        finally:
+            for suspect in suspects:  # no second opinion came: count the 5xx
+                suspect.judge(Outcome.FAILURE)
         if last_answer is not None:
             return last_answer
         if not tried:
@@ -118,33 +161,55 @@ class UpstreamProxy:
         if replica.api_key:
             headers["authorization"] = f"Bearer {replica.api_key}"
         request = self._client.build_request("POST", replica.url + path, content=payload, headers=headers)
-        response = await self._client.send(request, stream=stream)
+        # A stream must show its first event within first_byte_s; a non-streaming answer is bounded
+        # by the client's read timeout (read_s). Both end early when the replica is marked down.
+        deadline = asyncio.get_running_loop().time() + self._first_byte_s if stream else None
+        response: httpx.Response | None = None
+        try:
+            async with asyncio.timeout_at(deadline) as timeout:
+                replica.waiting.add(timeout)
+                try:
+                    response = await self._client.send(request, stream=stream)
+                    answer = await self._first_part(replica, response, stream, attempt)
+                finally:
+                    replica.waiting.discard(timeout)
+        except TimeoutError:
+            if response is not None:
+                await response.aclose()
+            raise AttemptTimeout("first_byte_timeout" if replica.healthy else "replica_down") from None
+        except BaseException:
+            if response is not None:
+                await response.aclose()
+            raise
+        return answer
+
+    @staticmethod
+    async def _first_part(replica: Replica, response: httpx.Response, stream: bool,
+                          attempt: int) -> UpstreamAnswer:
         content_type = response.headers.get("content-type", "application/json")
         retry_after = response.headers.get("retry-after")
         if not stream:
             return UpstreamAnswer(replica, response.status_code, content_type, attempt, body=response.content,
                                   retry_after=retry_after)
+        if response.status_code != 200:
+            body = await response.aread()
+            await response.aclose()
+            return UpstreamAnswer(replica, response.status_code, content_type, attempt, body=body,
+                                  retry_after=retry_after)
+        chunks = response.aiter_raw()
+        first = b""
         try:
-            if response.status_code != 200:
-                body = await response.aread()
-                await response.aclose()
-                return UpstreamAnswer(replica, response.status_code, content_type, attempt, body=body,
-                                      retry_after=retry_after)
-            chunks = response.aiter_raw()
-            first = b""
             while not first:  # a replica that closes before any byte is a failed attempt
                 first = await anext(chunks)
         except StopAsyncIteration:
-            await response.aclose()
             raise httpx.RemoteProtocolError("the replica closed the stream before sending anything") from None
-        except BaseException:
-            await response.aclose()
-            raise
         return UpstreamAnswer(replica, 200, content_type, attempt, first_chunk=first, rest=chunks,
                               _response=response)
 
 
-def _reason(exc: httpx.TransportError) -> str:
+def _reason(exc: Exception) -> str:
+    if isinstance(exc, AttemptTimeout):
+        return exc.reason
     if isinstance(exc, httpx.ConnectError):
         return "connect_error"
     if isinstance(exc, httpx.TimeoutException):

@@ -2,9 +2,16 @@
 
 Each upstream read is cut into whole SSE events and sent on at once, never held back for the next
 read: a token the replica produced is on its way to the client within one event-loop turn. On the
-way the relay reads the usage chunk, notes `[DONE]`, and keeps a copy for the cache when asked.
-When the gateway (not the client) asked for the usage chunk, the relay drops it, and the
-`"usage": null` members upstreams then add to every chunk, so the client gets the stream it asked for.
+way the relay reads the usage chunk, counts the content deltas it relayed (what a client that leaves
+early is charged for), notes `[DONE]`, and keeps a copy for the cache when asked. When the gateway
+(not the client) asked for the usage chunk, the relay drops it, and the `"usage": null` members
+upstreams then add to every chunk, so the client gets the stream it asked for.
+
+Only a stream that ends with `data: [DONE]` and carries no error succeeded. A replica's error event
+is relayed and ends the stream for the client: nothing after it (no usage chunk, no `[DONE]`) goes
+out, so an OpenAI client raises instead of taking a truncated answer for a whole one. A stream that
+breaks, stalls past `timeouts.read_s`, or ends without `[DONE]` gets the gateway's own error event
+and no `[DONE]` either.
 """
 
 from __future__ import annotations
@@ -22,6 +29,9 @@ from kvik.gateway.replica import Outcome
 from kvik.gateway.sse import EventSplitter, TokenUsage, drop_null_usage, error_event, inspect_event
 from kvik.protocol.errors import error_from_exception
 
+CLIENT_LEFT = 499  # the nginx convention, in usage rows and metrics
+UPSTREAM_FAILED = 502
+
 
 class StreamRelay:
     def __init__(self, answer: UpstreamAnswer, *, keep_usage_chunk: bool, record: bool,
@@ -33,14 +43,11 @@ class StreamRelay:
         self.recorded: list[bytes] | None = [] if record else None
         self.usage: TokenUsage | None = None
         self.saw_done = False
+        self.content_deltas = 0  # choice deltas with text relayed to the client
+        self.error: dict[str, Any] | None = None  # the replica's error event, if it sent one
         # NEUTRAL until the stream ends: stays so when the client leaves first.
         self.outcome = Outcome.NEUTRAL
-
-    @property
-    def status(self) -> int:
-        """For usage rows and metrics: 200, 502 when the replica failed mid-stream, 499 when the
-        client went away first (the nginx convention)."""
-        return {Outcome.SUCCESS: 200, Outcome.FAILURE: 502, Outcome.NEUTRAL: 499}[self.outcome]
+        self.status = CLIENT_LEFT  # for usage rows and metrics
 
     async def events(self) -> AsyncIterator[bytes]:
         try:
@@ -53,15 +60,30 @@ class StreamRelay:
                 chunk = self._forward(raw)
                 if chunk:
                     yield chunk
-            rest = self._splitter.remainder()
-            if rest:
-                yield rest
-            self.outcome = Outcome.SUCCESS
-        except httpx.TransportError:
+            if self.error is not None:
+                self._end_with_replica_error()
+            elif not self.saw_done:
+                yield self._fail("The replica ended the stream before finishing it.")
+            else:
+                self.outcome, self.status = Outcome.SUCCESS, 200
+        except httpx.TransportError as exc:
             # Bytes already went out, so no failover: say so in-stream, in the OpenAI error shape.
-            self.outcome = Outcome.FAILURE
-            _, body, _ = error_from_exception(UpstreamError("The replica failed in the middle of the stream."))
-            yield error_event(body)
+            if self.error is not None:
+                self._end_with_replica_error()
+            else:
+                stalled = isinstance(exc, httpx.ReadTimeout)
+                yield self._fail("The replica stopped sending in the middle of the stream." if stalled
+                                 else "The replica failed in the middle of the stream.")
+
+    def _fail(self, message: str) -> bytes:
+        self.outcome, self.status = Outcome.FAILURE, UPSTREAM_FAILED
+        _, body, _ = error_from_exception(UpstreamError(message))
+        return error_event(body)
+
+    def _end_with_replica_error(self) -> None:
+        assert self.error is not None
+        self.status, client_caused = classify_error(self.error)
+        self.outcome = Outcome.NEUTRAL if client_caused else Outcome.FAILURE
 
     def _forward(self, raw: bytes) -> bytes:
         """The events of one upstream read that go to the client."""
@@ -74,14 +96,35 @@ class StreamRelay:
             info = inspect_event(event)
             if info.usage is not None:
                 self.usage = info.usage
+            if self.error is not None:
+                continue  # nothing after an error event reaches the client
+            if info.error is not None:
+                self.error = info.error
+                out.append(event)
+                continue
             self.saw_done = self.saw_done or info.done
             if info.usage_only and not self._keep_usage_chunk:
                 continue
+            self.content_deltas += info.content_deltas
             out.append(event)
         chunk = b"".join(out)
         if chunk and self.recorded is not None:
             self.recorded.append(chunk)
         return chunk
+
+
+def classify_error(error: dict[str, Any]) -> tuple[int, bool]:
+    """(status for usage rows and metrics, caused by the request?) of an error a replica streamed.
+    vLLM puts the HTTP status in `code`; OpenAI and kvik serve name the kind in `type`."""
+    code = error.get("code")
+    if isinstance(code, int) and not isinstance(code, bool) and 400 <= code <= 599:
+        return code, code < 500
+    kind = error.get("type")
+    if kind in ("invalid_request_error", "BadRequestError", "NotFoundError"):
+        return 400, True
+    if kind in ("rate_limit_error", "RateLimitError"):
+        return 429, True
+    return UPSTREAM_FAILED, False
 
 
 class RelayResponse(StreamingResponse):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -27,6 +28,10 @@ class Replica:
     outstanding: int = 0  # attempts sent and not yet finished (streams count until their last byte)
     consecutive_probe_failures: int = field(default=0)
     consecutive_probe_successes: int = field(default=0)
+    # Deadlines of the attempts on this replica that are still waiting for their first byte; when
+    # the probes mark the replica down they expire at once, so those requests fail over instead of
+    # waiting for a process that stopped answering.
+    waiting: set[asyncio.Timeout] = field(default_factory=set)
 
     def is_available(self) -> bool:
         return self.healthy and self.breaker.can_attempt()
@@ -35,11 +40,23 @@ class Replica:
         self.outstanding += 1
         self.breaker.on_attempt()
 
-    def finish_attempt(self, outcome: Outcome) -> None:
+    def finish_attempt(self, outcome: Outcome | None) -> None:
+        """Release the attempt's slot and tell the breaker; `None` defers the verdict to `judge`
+        (a 5xx that another replica may show to be the request's own fault)."""
         self.outstanding -= 1
+        if outcome is not None:
+            self.judge(outcome)
+
+    def judge(self, outcome: Outcome) -> None:
         if outcome is Outcome.SUCCESS:
             self.breaker.record_success()
         elif outcome is Outcome.FAILURE:
             self.breaker.record_failure()
         else:
             self.breaker.record_neutral()
+
+    def abandon_waiting(self) -> None:
+        """Expire every attempt still waiting for its first byte (the replica went down)."""
+        now = asyncio.get_running_loop().time()
+        for deadline in list(self.waiting):
+            deadline.reschedule(now)

@@ -1,53 +1,61 @@
 """The proxy pipeline for `/v1/chat/completions` and `/v1/completions`, top to bottom:
 
-    authenticate -> parse -> route -> authorize -> budget and rate limits -> guardrails
-    -> cache lookup -> upstream with failover -> relay -> charge tokens, cache store, usage row
+    authenticate -> parse -> route -> authorize -> reserve budget and TPM, count RPM -> guardrails
+    -> scheduling fields from the key -> cache lookup -> upstream with failover -> relay
+    -> settle tokens, cache store, usage row
 
 Every refusal is a typed `KvikError` turned into the OpenAI error envelope in one place
-(`kvik.protocol.errors.error_from_exception`).
+(`kvik.protocol.errors.error_from_exception`). Parsing, redaction, cache keys and encoding run off
+the event loop for large bodies (`offload`), so one tenant's huge request does not stall the others.
+Every request that reserved tokens settles them exactly once, in `_finish`, however it ends.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
-from kvik.core.errors import InvalidRequestError, KvikError, QuotaExceededError, RequestTooLargeError
+from kvik.core.errors import InvalidRequestError, KvikError, QuotaExceededError
 from kvik.gateway.auth import Principal
+from kvik.gateway.balancing import RoutingContext
 from kvik.gateway.cache import policy
 from kvik.gateway.cache.backend import CachedResponse
+from kvik.gateway.disconnect import ClientDisconnected, unless_disconnected
 from kvik.gateway.guardrails.moderation import ModerationRequest
-from kvik.gateway.guardrails.text import request_texts
+from kvik.gateway.guardrails.text import replace_request_texts, request_texts
 from kvik.gateway.proxy import UpstreamAnswer
-from kvik.gateway.relay import RelayResponse, StreamRelay, replay
+from kvik.gateway.relay import CLIENT_LEFT, RelayResponse, StreamRelay, replay
 from kvik.gateway.replica import Outcome
+from kvik.gateway.request_body import CHAT, COMPLETIONS, Endpoint, parse_body, wants_usage_chunk
 from kvik.gateway.router import ModelPool
+from kvik.gateway.scheduling import SCHEDULING_FIELDS
 from kvik.gateway.sse import TokenUsage
 from kvik.gateway.state import GatewayState
+from kvik.gateway.tenancy import tenant_of
+from kvik.gateway.tokens import TokenEstimate, estimate_tokens
 from kvik.gateway.usage import UsageRecord
 from kvik.protocol.errors import error_from_exception
 
+__all__ = ["CHAT", "COMPLETIONS", "ProxyService"]
 
-@dataclass(slots=True, frozen=True)
-class Endpoint:
-    name: str  # "chat.completions" or "completions", as in usage rows and moderation requests
-    path: str  # the upstream path
-    required_field: str  # "messages" or "prompt"
-
-
-CHAT = Endpoint("chat.completions", "/v1/chat/completions", "messages")
-COMPLETIONS = Endpoint("completions", "/v1/completions", "prompt")
+# What a client may send as its own x-request-id: visible ASCII, no spaces, as HTTP headers carry it.
+_REQUEST_ID = re.compile(r"[!-~]{1,128}")
 
 
 @dataclass(slots=True)
 class RequestLog:
-    """What the usage row and the metrics of one request need, filled in as the request goes."""
+    """What the usage row, the metrics and the token settlement of one request need, filled in as
+    the request goes."""
 
     endpoint: Endpoint
     request_id: str
@@ -59,7 +67,20 @@ class RequestLog:
     stream: bool = False
     cached: bool = False
     attempts: int = 0
-    usage: TokenUsage = TokenUsage()
+    estimate: TokenEstimate | None = None
+    held_budget: int = 0  # tokens of the key's budget reserved at admission
+    held_tpm: int = 0  # tokens of the key's TPM window reserved at admission
+    usage: TokenUsage = TokenUsage()  # what the request is charged
+    finished: bool = False
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A request ready to go upstream (after guardrails)."""
+
+    payload: bytes  # what is sent upstream
+    cache_key: str | None
+    context: RoutingContext
 
 
 class ProxyService:
@@ -67,89 +88,128 @@ class ProxyService:
         self.state = state
 
     async def handle(self, request: Request, endpoint: Endpoint) -> Response:
-        # A client's own request id is kept (bounded) so its logs and ours can be joined.
-        request_id = request.headers.get("x-request-id", "")[:128] or f"req_{secrets.token_hex(12)}"
-        log = RequestLog(endpoint, request_id)
+        log = RequestLog(endpoint, f"req_{secrets.token_hex(12)}")
+        handed_to_stream = False
         try:
-            return await self._handle(request, log)
+            log.request_id = _client_request_id(request.headers) or log.request_id
+            response = await self._handle(request, log)
+            handed_to_stream = isinstance(response, RelayResponse)
+            return response
         except KvikError as exc:
             status, body, headers = error_from_exception(exc)
-            self._finish(log, status)
+            await self._finish(log, status)
             return JSONResponse(body, status_code=status, headers={**headers, "x-request-id": log.request_id})
+        except (ClientDisconnected, ClientDisconnect):
+            await self._finish(log, CLIENT_LEFT)
+            return Response(status_code=CLIENT_LEFT)  # nobody is there to read it
+        finally:
+            if not log.finished and not handed_to_stream:  # an unexpected error, or cancelled
+                with anyio.CancelScope(shield=True):
+                    await self._finish(log, 500)
 
     async def _handle(self, request: Request, log: RequestLog) -> Response:
         state = self.state
         log.principal = await state.auth.authenticate(request.headers.get("authorization"))
-        body = await _read_body(request, log.endpoint, state.config.limits.max_body_bytes)
+        raw = await request.body()  # bounded in size and time by the ClientLimits middleware
+        body, texts, log.estimate = await state.cpu.run(len(raw), self._parse, raw, log.endpoint)
         log.stream = body.get("stream") is True
         pool = state.router.resolve(body["model"])
         log.model = pool.name
         state.auth.authorize_model(log.principal, pool.name)
-        try:
-            state.auth.check_budget(log.principal)
-        except QuotaExceededError:
-            state.metrics.rate_limited.labels("budget").inc()
-            raise
-        await state.limiter.admit(log.principal)
-        body = await self._apply_guardrails(body, pool, log)
+        await self._admit(log)
+        prepared = await self._prepare(body, texts, pool, log, request.headers, len(raw))
 
         cache = state.cache
-        directive = policy.directive(body, request.headers) if cache is not None else policy.NO_CACHE
-        cache_key = policy.cache_key(log.endpoint.name, pool.name, body) if directive.write else None
-        if cache is not None and cache_key is not None and directive.read:
-            cached = await cache.get(cache_key)
+        if cache is not None and prepared.cache_key is not None and policy.directive(body, request.headers).read:
+            cached = await cache.get(prepared.cache_key)
             state.metrics.cache.labels(pool.name, "miss" if cached is None else "hit").inc()
             if cached is not None:
-                return self._replay(cached, log)
+                return await self._replay(cached, log)
         headers = {"x-request-id": log.request_id,
-                   "x-kvik-cache": "miss" if cache_key is not None else "bypass"}
-
-        # Scheduling fields come from the key, never from the client (kvik.gateway.tenancy).
-        upstream_body = {**body, "model": pool.upstream_model, **await state.tenancy.request_fields(log.principal)}
-        client_wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        if log.stream and not client_wants_usage:
-            # Ask for the usage chunk so TPM and usage rows count streamed tokens; the relay drops
-            # it again, so the client sees the stream it asked for.
-            upstream_body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
-        answer = await state.proxy.send(pool, log.endpoint.path, upstream_body, stream=log.stream,
-                                        context=pool.routing_context(body), request_id=log.request_id)
+                   "x-kvik-cache": "miss" if prepared.cache_key is not None else "bypass"}
+        try:
+            answer = await unless_disconnected(request, state.proxy.send(
+                pool, log.endpoint.path, prepared.payload, stream=log.stream, context=prepared.context,
+                request_id=log.request_id))
+        except ClientDisconnected:
+            # The replica was asked and has likely read the prompt: charge that (estimated).
+            log.usage = TokenUsage(log.estimate.prompt, 0)
+            raise
         log.replica, log.attempts = answer.replica.url, answer.attempts
         if answer.streaming:
-            return self._relay(answer, log, headers, client_wants_usage, cache_key)
+            return self._relay(answer, log, headers, wants_usage_chunk(body), prepared.cache_key)
         if answer.status == 200:
-            log.usage = _usage_of(answer.body)
-            await self._charge(log)
-            if cache is not None and cache_key is not None:
-                await cache.put(cache_key, CachedResponse(200, answer.content_type, (answer.body,)))
+            log.usage = _usage_of(answer.body) or TokenUsage(log.estimate.prompt, log.estimate.completion)
+            if cache is not None and prepared.cache_key is not None:
+                await cache.put(prepared.cache_key, CachedResponse(200, answer.content_type, (answer.body,)))
         elif answer.retry_after is not None:
             # Every replica was overloaded (or the answer is the replica's own 429): pass on its hint.
             headers["retry-after"] = answer.retry_after
-        self._finish(log, answer.status)
+        await self._finish(log, answer.status)
         return Response(answer.body, status_code=answer.status, media_type=answer.content_type, headers=headers)
 
-    async def _apply_guardrails(self, body: dict[str, Any], pool: ModelPool, log: RequestLog) -> dict[str, Any]:
+    def _parse(self, raw: bytes, endpoint: Endpoint) -> tuple[dict[str, Any], list[str], TokenEstimate]:
+        body = parse_body(raw, endpoint)
+        texts = request_texts(body)
+        return body, texts, estimate_tokens(body, texts, self.state.config.limits.reserve_completion_tokens)
+
+    async def _admit(self, log: RequestLog) -> None:
+        """Reserve the estimate from the key's budget and TPM, count RPM; or refuse with 429."""
+        state, principal, estimate = self.state, log.principal, log.estimate
+        assert principal is not None and estimate is not None
+        try:
+            log.held_budget = state.auth.budgets.reserve(principal, estimate)
+        except QuotaExceededError:
+            state.metrics.rate_limited.labels("budget").inc()
+            raise
+        log.held_tpm = await state.limiter.admit(principal, estimate)
+
+    async def _prepare(self, body: dict[str, Any], texts: list[str], pool: ModelPool, log: RequestLog,
+                       headers: Mapping[str, str], size: int) -> Prepared:
         state = self.state
-        if state.redactor is not None:
-            redaction = state.redactor.redact_request(body)
-            body = redaction.body
+        if state.redactor is not None and texts:
+            redacted = await state.cpu.run(size, state.redactor.redact_texts, texts)
+            if redacted != texts:
+                body, texts = replace_request_texts(body, redacted), redacted
         if state.moderation is not None:
             try:
                 await state.moderation.check(ModerationRequest(
-                    model=pool.name, endpoint=log.endpoint.name, texts=request_texts(body),
+                    model=pool.name, endpoint=log.endpoint.name, texts=texts,
                     key_id=log.principal.key_id if log.principal else None))
             except KvikError:
                 state.metrics.blocked.labels(pool.name).inc()
                 raise
-        return body
+        assert log.principal is not None
+        scheduling = await state.scheduling.request_fields(log.principal)
+        return await state.cpu.run(size, self._encode, body, pool, log, headers, scheduling)
 
-    def _replay(self, cached: CachedResponse, log: RequestLog) -> Response:
+    def _encode(self, body: dict[str, Any], pool: ModelPool, log: RequestLog, headers: Mapping[str, str],
+                scheduling: dict[str, Any]) -> Prepared:
+        """The cache key, the routing context and the upstream payload: CPU work on the whole body."""
+        config = self.state.config
+        tenant = tenant_of(log.principal)
+        cache_key = None
+        if self.state.cache is not None and policy.directive(body, headers).write:
+            scope = None if config.cache.share_across_tenants else tenant
+            cache_key = policy.cache_key(log.endpoint.name, pool.name, body, tenant=scope)
+        # Scheduling fields come from the key, never from the client (kvik.gateway.scheduling).
+        upstream = {name: value for name, value in body.items() if name not in SCHEDULING_FIELDS}
+        upstream.update(scheduling, model=pool.upstream_model)
+        if log.stream and not wants_usage_chunk(body):
+            # Ask for the usage chunk so TPM and usage rows count streamed tokens; the relay drops
+            # it again, so the client sees the stream it asked for.
+            upstream["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+        if self.state.salter is not None:
+            upstream["cache_salt"] = self.state.salter.salt(tenant)  # overrides the client's
+        return Prepared(json.dumps(upstream).encode(), cache_key, pool.routing_context(body))
+
+    async def _replay(self, cached: CachedResponse, log: RequestLog) -> Response:
         log.cached = True
-        self._finish(log, cached.status)
+        await self._finish(log, cached.status)
         headers = {"x-request-id": log.request_id, "x-kvik-cache": "hit"}
         if len(cached.chunks) == 1 and not log.stream:
             return Response(cached.chunks[0], status_code=cached.status, media_type=cached.content_type,
                             headers=headers)
-
         return StreamingResponse(replay(cached.chunks), status_code=cached.status,
                                  media_type=cached.content_type, headers=headers)
 
@@ -162,24 +222,33 @@ class ProxyService:
 
         async def close() -> None:
             await answer.finish(relay.outcome)
-            log.usage = relay.usage or TokenUsage()
-            await self._charge(log)
+            assert log.estimate is not None
+            # A finished stream: the replica's count. Otherwise (the client left, the replica
+            # failed) the tokens the client got, and the prompt (estimated from above if the
+            # replica's count never came).
+            if relay.outcome is Outcome.SUCCESS and relay.usage is not None:
+                log.usage = relay.usage
+            else:
+                prompt = relay.usage.prompt_tokens if relay.usage is not None else log.estimate.prompt
+                log.usage = TokenUsage(prompt, relay.content_deltas)
             if (state.cache is not None and cache_key is not None and relay.recorded is not None
-                    and relay.saw_done and relay.outcome is Outcome.SUCCESS):
+                    and relay.outcome is Outcome.SUCCESS):
                 await state.cache.put(cache_key, CachedResponse(200, answer.content_type, tuple(relay.recorded)))
-            self._finish(log, relay.status)
+            await self._finish(log, relay.status)
 
         return RelayResponse(relay.events(), close, media_type=answer.content_type, headers=headers)
 
-    async def _charge(self, log: RequestLog) -> None:
-        tokens = log.usage.total_tokens
-        if log.principal is not None and tokens:
-            self.state.auth.note_tokens(log.principal, tokens)
-            await self.state.limiter.charge_tokens(log.principal, tokens)
-
-    def _finish(self, log: RequestLog, status: int) -> None:
-        """Metrics and the usage row; requests refused before a key was known leave no row."""
+    async def _finish(self, log: RequestLog, status: int) -> None:
+        """Settle the tokens held, then metrics and the usage row (requests refused before a key was
+        known leave no row). Runs once per request."""
+        if log.finished:
+            return
+        log.finished = True
         state = self.state
+        charged = 0 if log.cached else log.usage.total_tokens
+        if log.principal is not None:
+            state.auth.budgets.settle(log.principal, log.held_budget, charged)
+            await state.limiter.settle(log.principal, log.held_tpm, charged)
         latency = time.monotonic() - log.started
         replica = log.replica or ""
         state.metrics.requests.labels(log.model, replica, str(status)).inc()
@@ -195,33 +264,19 @@ class ProxyService:
             latency_ms=latency * 1000, attempts=log.attempts))
 
 
-async def _read_body(request: Request, endpoint: Endpoint, max_bytes: int) -> dict[str, Any]:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise RequestTooLargeError(f"The request body is over the gateway's limit of {max_bytes} bytes.")
-    raw = bytearray()
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > max_bytes:
-            raise RequestTooLargeError(f"The request body is over the gateway's limit of {max_bytes} bytes.")
-    try:
-        body = json.loads(raw)
-    except ValueError as exc:
-        raise InvalidRequestError(f"The request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise InvalidRequestError("The request body must be a JSON object.")
-    if not isinstance(body.get("model"), str) or not body["model"]:
-        raise InvalidRequestError("you must provide a model parameter", param="model")
-    if endpoint.required_field not in body:
-        raise InvalidRequestError(f"Missing required parameter: '{endpoint.required_field}'.",
-                                  param=endpoint.required_field)
-    if "stream" in body and not isinstance(body["stream"], bool) and body["stream"] is not None:
-        raise InvalidRequestError("'stream' must be a boolean.", param="stream")
-    return body
+def _client_request_id(headers: Mapping[str, str]) -> str | None:
+    """The client's own request id (kept so its logs and ours can be joined), or None."""
+    value = headers.get("x-request-id")
+    if not value:
+        return None
+    if not _REQUEST_ID.fullmatch(value):
+        raise InvalidRequestError("x-request-id: send 1 to 128 visible ASCII characters (no spaces), or "
+                                  "leave it out and the gateway makes one.", param="x-request-id")
+    return value
 
 
-def _usage_of(body: bytes) -> TokenUsage:
+def _usage_of(body: bytes) -> TokenUsage | None:
     try:
-        return TokenUsage.from_json(json.loads(body).get("usage")) or TokenUsage()
-    except (ValueError, AttributeError):
-        return TokenUsage()
+        return TokenUsage.from_json(json.loads(body).get("usage"))
+    except (ValueError, AttributeError, RecursionError):
+        return None

@@ -10,6 +10,10 @@ from dataclasses import dataclass
 from typing import Any
 
 DONE = b"[DONE]"
+# A non-empty text in a choice delta (chat `content`, `reasoning_content`, tool-call `arguments`,
+# completions `text`). Inside a JSON string these quotes would be escaped, so the pattern only ever
+# matches members: one match per choice delta the replica produced text for.
+_CONTENT_DELTA = re.compile(rb'(?<!\\)"(?:content|reasoning_content|arguments|text)"\s*:\s*"(?!")')
 # A `"usage": null` member with its separating comma. With include_usage on, upstreams such as
 # kvik serve and vLLM put it on every chunk; inside a JSON string the quotes would be escaped, so
 # these patterns only ever match the object's own members.
@@ -29,7 +33,7 @@ class TokenUsage:
     def from_json(cls, usage: Any) -> TokenUsage | None:
         if not isinstance(usage, dict):
             return None
-        return cls(int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0))
+        return cls(_count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens")))
 
 
 class EventSplitter:
@@ -71,30 +75,49 @@ def event_data(event: bytes) -> bytes | None:
 
 @dataclass(slots=True, frozen=True)
 class ChunkInfo:
-    usage: TokenUsage | None  # present on the final usage chunk when include_usage was asked
-    usage_only: bool  # a chunk with no choices, only usage: dropped unless the client asked for it
-    done: bool  # `data: [DONE]`
-    error: bool  # an error object sent mid-stream by the upstream
+    usage: TokenUsage | None = None  # present on the final usage chunk when include_usage was asked
+    usage_only: bool = False  # a chunk with no choices, only usage: dropped unless the client asked for it
+    done: bool = False  # `data: [DONE]`
+    # The error object an upstream sent mid-stream: `data: {"error": {...}}` (OpenAI, kvik serve) or
+    # `data: {"object": "error", ...}` (older vLLM).
+    error: dict[str, Any] | None = None
+    content_deltas: int = 0  # choice deltas carrying text
+
+
+_NOTHING = ChunkInfo()
+_DONE_INFO = ChunkInfo(done=True)
 
 
 def inspect_event(event: bytes) -> ChunkInfo:
     data = event_data(event)
     if data is None:
-        return ChunkInfo(None, False, False, False)
+        return _NOTHING
     if data.strip() == DONE:
-        return ChunkInfo(None, False, True, False)
+        return _DONE_INFO
+    deltas = len(_CONTENT_DELTA.findall(data))
     if b'"usage"' not in data and b'"error"' not in data:
-        return ChunkInfo(None, False, False, False)  # the common case: skip JSON parsing
+        return ChunkInfo(content_deltas=deltas)  # the common case: skip JSON parsing
     try:
         chunk = json.loads(data)
     except ValueError:
-        return ChunkInfo(None, False, False, False)
+        return ChunkInfo(content_deltas=deltas)
     if not isinstance(chunk, dict):
-        return ChunkInfo(None, False, False, False)
+        return ChunkInfo(content_deltas=deltas)
+    error = chunk.get("error")
+    if error is not None:
+        error = error if isinstance(error, dict) else {"message": str(error)}
+    elif chunk.get("object") == "error":
+        error = chunk
     usage = TokenUsage.from_json(chunk.get("usage"))
-    return ChunkInfo(usage, usage is not None and not chunk.get("choices"), False, "error" in chunk)
+    return ChunkInfo(usage, usage is not None and not chunk.get("choices"), False, error, deltas)
 
 
 def error_event(body: dict[str, Any]) -> bytes:
-    """An error reported after the stream started (headers already sent): one event, then [DONE]."""
-    return b"data: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n"
+    """An error reported after the stream started (headers already sent): one event and no
+    `[DONE]`, which is how OpenAI clients tell a failed stream from a finished one."""
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+def _count(value: Any) -> int:
+    """A token count from an upstream's usage object; anything but a non-negative integer is 0."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0

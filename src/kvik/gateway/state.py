@@ -19,6 +19,7 @@ from kvik.gateway.guardrails.pii import PiiRedactor
 from kvik.gateway.health import HealthProber
 from kvik.gateway.keys import KeyStore
 from kvik.gateway.metrics import GatewayMetrics
+from kvik.gateway.offload import CpuWorkers
 from kvik.gateway.proxy import UpstreamProxy
 from kvik.gateway.ratelimit.backend import CounterBackend
 from kvik.gateway.ratelimit.limiter import RateLimiter
@@ -27,7 +28,8 @@ from kvik.gateway.ratelimit.redis import RedisCounters
 from kvik.gateway.retry_budget import RetryBudget
 from kvik.gateway.router import ModelRouter
 from kvik.gateway.storage.database import Database, open_database
-from kvik.gateway.tenancy import TenancyStore
+from kvik.gateway.scheduling import SchedulingStore
+from kvik.gateway.tenancy import CacheSalter
 from kvik.gateway.usage import UsageRecorder
 
 
@@ -48,12 +50,14 @@ class GatewayState:
     prober: HealthProber
     proxy: UpstreamProxy
     redis: Any | None  # redis.asyncio.Redis shared by the limiter and the cache
-    tenancy: TenancyStore  # each key's priority tier and fair-share weight
+    cpu: CpuWorkers  # parsing, redaction and encoding of large bodies, off the event loop
+    salter: CacheSalter | None  # per-tenant `cache_salt` sent upstream; None when turned off
+    scheduling: SchedulingStore  # each key's priority tier and fair-share weight
 
     @classmethod
     async def start(cls, config: GatewayConfig) -> GatewayState:
         metrics = GatewayMetrics()
-        router = ModelRouter(config, metrics.on_breaker_transition)
+        router = ModelRouter(config, metrics.on_breaker_transition, metrics.on_panic)
         redis = await _connect_redis(config.redis_url) if config.redis_url else None
         db = await asyncio.to_thread(open_database, config.database_url)
         keys = KeyStore(db)
@@ -64,18 +68,23 @@ class GatewayState:
             follow_redirects=False, trust_env=False)
         counters: CounterBackend = RedisCounters(redis) if redis is not None else MemoryCounters()
         guardrails = config.guardrails
+        auth = Authenticator(config.auth, keys)
+        # Prefix-cache salts and the tenants' pseudonyms for fair share, under one secret.
+        salter = CacheSalter(config.tenancy.cache_salt_secret)
         state = cls(
-            config=config, metrics=metrics, router=router, client=client, db=db, keys=keys,
-            auth=Authenticator(config.auth, keys),
+            config=config, metrics=metrics, router=router, client=client, db=db, keys=keys, auth=auth,
             limiter=RateLimiter(counters, config.limits, metrics),
             cache=_make_cache(config, redis),
             redactor=PiiRedactor(guardrails.pii) if guardrails.pii.enabled else None,
             moderation=ModerationHook(guardrails.moderation) if guardrails.moderation.hook else None,
-            usage=UsageRecorder(db, keys),
+            usage=UsageRecorder(db, keys, on_persisted=auth.budgets.persisted),
             prober=HealthProber(router.all_replicas(), config.health, client),
-            proxy=UpstreamProxy(client, config.retries.max_attempts, RetryBudget(config.retries), metrics),
+            proxy=UpstreamProxy(client, config.retries.max_attempts, RetryBudget(config.retries), metrics,
+                                first_byte_s=config.timeouts.first_byte_s),
             redis=redis,
-            tenancy=TenancyStore(db, config.scheduling, config.auth.key_cache_ttl_s),
+            cpu=CpuWorkers(),
+            salter=salter if config.tenancy.cache_salt else None,
+            scheduling=SchedulingStore(db, config.scheduling, salter, config.auth.key_cache_ttl_s),
         )
         state.usage.start()
         state.prober.start()
@@ -85,6 +94,7 @@ class GatewayState:
         await self.prober.stop()
         await self.usage.stop()
         await self.client.aclose()
+        self.cpu.close()
         if self.redis is not None:
             await self.redis.aclose()
         await asyncio.to_thread(self.db.close)

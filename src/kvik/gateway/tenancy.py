@@ -1,87 +1,50 @@
-"""Priority tiers and fair-share weights of API keys, and what the gateway tells the server.
+"""Tenants: who may share what. A key's team is its tenant, or the key itself when it has no team;
+with auth off every caller is one anonymous tenant.
 
-Every key is in a tier (`scheduling.tiers` in the config: name -> priority; keys without one are in
-`scheduling.default_tier`) and has a weight for fair share within its tier (1 = an equal share). On
-every proxied request the gateway overwrites the body's `priority`, `tenant` (the key id) and
-`tenant_weight`, so a client can neither raise its own priority nor pose as another tenant; the
-server trusts those fields from the gateway, which holds its API key.
-
-Stored in `key_scheduling` (migration 4), read through a short cache like the keys themselves.
+Two things are scoped to the tenant. The response cache (an entry, and its `x-kvik-cache: hit`
+header, would tell one tenant what another asked) and the replicas' prefix caches: the gateway
+sends each tenant's `cache_salt` upstream, the field vLLM introduced after CVE-2025-46570 (a
+prefix-cache hit is faster, and that timing leaks another tenant's prompt). The salt is an HMAC of
+the tenant id under a gateway secret, so nobody who can reach a replica directly can compute another
+tenant's salt, and the replica never learns key ids.
 """
 
 from __future__ import annotations
 
-import asyncio
-import time
-from dataclasses import dataclass
-from typing import Any
+import hashlib
+import hmac
+import secrets
 
-from kvik.core.errors import InvalidRequestError
 from kvik.gateway.auth import Principal
-from kvik.gateway.config import SchedulingConfig
-from kvik.gateway.storage.database import Database
 
-MAX_WEIGHT = 1000.0
 ANONYMOUS_TENANT = "anonymous"
 
 
-@dataclass(slots=True, frozen=True)
-class KeyScheduling:
-    tier: str
-    weight: float = 1.0
-
-    def to_public_dict(self, priority: int) -> dict[str, Any]:
-        return {"tier": self.tier, "weight": self.weight, "priority": priority}
+def tenant_of(principal: Principal | None) -> str:
+    key = None if principal is None else principal.key
+    if key is None:
+        return ANONYMOUS_TENANT
+    return f"team:{key.team}" if key.team else f"key:{key.id}"
 
 
-class TenancyStore:
-    def __init__(self, db: Database, config: SchedulingConfig, cache_ttl_s: float = 5.0) -> None:
-        self._db = db
-        self.config = config
-        self._ttl = cache_ttl_s
-        self._cache: dict[str, tuple[float, KeyScheduling]] = {}
+class CacheSalter:
+    """`salt(tenant)`: 64 hex characters, stable for one secret. Also `pseudonym(tenant)`, the name
+    the replicas' fair-share scheduler knows the tenant by (`kvik.gateway.scheduling`)."""
 
-    def default(self) -> KeyScheduling:
-        return KeyScheduling(self.config.default_tier)
+    def __init__(self, secret: str | None) -> None:
+        self._secret = secret.encode() if secret else secrets.token_bytes(32)
+        self._salts: dict[str, str] = {}
 
-    def get(self, key_id: str) -> KeyScheduling:
-        row = self._db.fetchone("SELECT tier, weight FROM key_scheduling WHERE key_id = ?", (key_id,))
-        if row is None or row["tier"] not in self.config.tiers:  # a tier removed from the config
-            return self.default()
-        return KeyScheduling(row["tier"], float(row["weight"]))
+    def salt(self, tenant: str) -> str:
+        salt = self._salts.get(tenant)
+        if salt is None:
+            if len(self._salts) >= 100_000:
+                self._salts.clear()
+            salt = self._salts[tenant] = hmac.new(self._secret, tenant.encode(errors="surrogatepass"),
+                                                   hashlib.sha256).hexdigest()
+        return salt
 
-    def set(self, key_id: str, tier: str, weight: float) -> KeyScheduling:
-        if tier not in self.config.tiers:
-            raise InvalidRequestError(f"tier: {tier!r} is not one of {', '.join(self.config.tiers)}", param="tier")
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight <= MAX_WEIGHT:
-            raise InvalidRequestError(f"weight: give a number in (0, {MAX_WEIGHT:g}]", param="weight")
-        with self._db.transaction():
-            self._db.execute("DELETE FROM key_scheduling WHERE key_id = ?", (key_id,))
-            self._db.execute("INSERT INTO key_scheduling (key_id, tier, weight, updated_at) VALUES (?, ?, ?, ?)",
-                             (key_id, tier, float(weight), time.time()))
-        self._cache.pop(key_id, None)
-        return KeyScheduling(tier, float(weight))
-
-    async def lookup(self, key_id: str) -> KeyScheduling:
-        now = time.monotonic()
-        cached = self._cache.get(key_id)
-        if cached is not None and cached[0] > now:
-            return cached[1]
-        found = await asyncio.to_thread(self.get, key_id)
-        if len(self._cache) > 10_000:
-            self._cache.clear()
-        self._cache[key_id] = (now + self._ttl, found)
-        return found
-
-    async def request_fields(self, principal: Principal) -> dict[str, Any]:
-        """The scheduling fields of a proxied request body, from the caller's key (none when
-        `scheduling.send_fields` is off)."""
-        if not self.config.send_fields:
-            return {}
-        return await self.key_fields(principal)
-
-    async def key_fields(self, principal: Principal) -> dict[str, Any]:
-        key_id = principal.key_id
-        scheduling = self.default() if key_id is None else await self.lookup(key_id)
-        return {"priority": self.config.tiers[scheduling.tier], "tenant": key_id or ANONYMOUS_TENANT,
-                "tenant_weight": scheduling.weight}
+    def pseudonym(self, tenant: str) -> str:
+        """`t-` and 16 hex characters: an HMAC of the tenant under the same secret, domain-separated
+        from the salt (knowing one tells nothing of the other)."""
+        return "t-" + self.salt("fair-share\0" + tenant)[:16]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable, Mapping
 from dataclasses import astuple, dataclass
 from typing import Any
 
@@ -42,9 +43,11 @@ class UsageRecorder:
     """
 
     def __init__(self, db: Database, keys: KeyStore, *, flush_interval_s: float = 0.5,
-                 max_queue: int = 100_000) -> None:
+                 max_queue: int = 100_000,
+                 on_persisted: Callable[[Mapping[str, int]], None] | None = None) -> None:
         self._db = db
         self._keys = keys
+        self._on_persisted = on_persisted  # told the tokens added to each key's tokens_used
         self._interval = flush_interval_s
         self._max_queue = max_queue
         self._pending: list[UsageRecord] = []
@@ -74,7 +77,9 @@ class UsageRecorder:
         async with self._flush_lock:
             rows, self._pending = self._pending, []
             if rows:
-                await asyncio.to_thread(self._write, rows)
+                totals = await asyncio.to_thread(self._write, rows)
+                if self._on_persisted is not None:
+                    self._on_persisted(totals)
 
     async def _run(self) -> None:
         while True:
@@ -84,7 +89,7 @@ class UsageRecorder:
             except Exception:  # keep serving; the next flush retries with new rows
                 logger.exception("writing usage rows failed")
 
-    def _write(self, rows: list[UsageRecord]) -> None:
+    def _write(self, rows: list[UsageRecord]) -> dict[str, int]:
         self._db.executemany(
             "INSERT INTO usage_records (created_at, request_id, key_id, model, replica, endpoint, stream, "
             "cached, status, prompt_tokens, completion_tokens, latency_ms, attempts) "
@@ -95,6 +100,7 @@ class UsageRecorder:
             if row.key_id is not None and not row.cached:
                 totals[row.key_id] = totals.get(row.key_id, 0) + row.prompt_tokens + row.completion_tokens
         self._keys.add_tokens_used(totals)
+        return totals
 
 
 def _db_tuple(row: UsageRecord) -> tuple[Any, ...]:

@@ -88,7 +88,7 @@ def model_config_from_hf(raw: dict[str, Any], architecture: str) -> ModelConfig:
             head_dim=raw.get("head_dim") or hidden // num_heads,
             intermediate_size=raw["intermediate_size"],
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
-            norm_eps=raw.get("rms_norm_eps", 1e-6),
+            norm_eps=raw.get("rms_norm_eps", raw.get("layer_norm_eps", 1e-6)),  # the latter: BERT
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             hidden_act=raw.get("hidden_act", "silu"),
             attention_bias=raw.get("attention_bias", model_type == "qwen2"),

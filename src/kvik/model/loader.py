@@ -1,8 +1,9 @@
-"""Find a model directory (local or on the hub), read its config, and load safetensors weights.
+"""Find a model (a local directory, a GGUF file, or a hub id), read its config, and load its weights.
 
 The model is built on the meta device, so no memory is spent on random initialisation, then
 materialised on the target device and filled tensor by tensor from the checkpoint (single file or
-shards listed in `model.safetensors.index.json`), with a progress bar.
+shards listed in `model.safetensors.index.json`, GPTQ/AWQ int4 layers dequantized, or a GGUF file
+dequantized; see `kvik.model.formats`), with a progress bar.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from torch import nn
 
 from kvik.core.errors import ConfigError, MissingWeightsError
 from kvik.model.config import ModelConfig, model_config_from_hf
+from kvik.model.formats.gguf import gguf_hf_config, gguf_tensors, is_gguf_file
+from kvik.model.formats.safetensors_checkpoint import checkpoint_tensors
 from kvik.model.models.registry import model_class
 
 logger = logging.getLogger("kvik.model")
@@ -35,13 +38,15 @@ class LoadedModel:
 
 
 def resolve_model_path(model: str, revision: str | None = None) -> Path:
-    """A local directory as is; anything else is treated as a hub id and downloaded (cached)."""
+    """A local directory or GGUF file as is; anything else is treated as a hub id and downloaded
+    (cached)."""
     local = Path(model).expanduser()
-    if local.is_dir():
+    if local.is_dir() or is_gguf_file(local):
         return local
     if local.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1:
         raise ConfigError(f"model: {model!r} is not a model directory (expected config.json and "
-                          "safetensors weights) nor a hub id like 'Qwen/Qwen2.5-0.5B-Instruct'")
+                          "safetensors weights), a .gguf file, nor a hub id like "
+                          "'Qwen/Qwen2.5-0.5B-Instruct'")
     try:
         from huggingface_hub import snapshot_download
 
@@ -63,7 +68,7 @@ def read_hf_config(path: Path) -> dict[str, Any]:
 
 
 def load_model_config(path: Path) -> ModelConfig:
-    raw = read_hf_config(path)
+    raw = gguf_hf_config(path) if is_gguf_file(path) else read_hf_config(path)
     architectures = raw.get("architectures") or []
     if not architectures:
         raise ConfigError(f"{path}/config.json: field 'architectures' is missing or empty")
@@ -71,7 +76,7 @@ def load_model_config(path: Path) -> ModelConfig:
     model_class(architecture)  # fails early, naming the supported architectures
     config = model_config_from_hf(raw, architecture)
     generation = path / "generation_config.json"
-    if generation.is_file():
+    if path.is_dir() and generation.is_file():
         eos = json.loads(generation.read_text()).get("eos_token_id")
         if eos is not None:
             extra = [eos] if isinstance(eos, int) else list(eos)
@@ -101,31 +106,27 @@ def checkpoint_files(path: Path) -> list[Path]:
 
 def load_model(path: Path, config: ModelConfig, device: torch.device, dtype: torch.dtype,
                show_progress: bool = True) -> LoadedModel:
-    from safetensors import safe_open
-    from tqdm import tqdm
-
     cls = model_class(config.architecture)
     with torch.device("meta"):
         model = cls(config)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.tie_weights()
     loader = model.weight_loader()
-    files = checkpoint_files(path)
+    if is_gguf_file(path):
+        tensors = gguf_tensors(path, config.raw, set(loader.missing), show_progress)
+    else:
+        tensors = checkpoint_tensors(checkpoint_files(path), config.raw.get("quantization_config"),
+                                     model.skip_checkpoint_tensor, show_progress)
     unexpected: list[str] = []
     weight_bytes = 0
     with torch.no_grad():
-        for file in files:
-            with safe_open(str(file), framework="pt", device="cpu") as handle:
-                names = list(handle.keys())
-                for name in tqdm(names, desc=f"Loading {file.name}", unit="tensor",
-                                 disable=not show_progress, leave=False):
-                    if model.skip_checkpoint_tensor(name):
-                        continue
-                    tensor = handle.get_tensor(name)
-                    if loader.load(model.checkpoint_name(name), tensor):
-                        weight_bytes += tensor.numel() * dtype.itemsize
-                    else:
-                        unexpected.append(name)
+        for name, tensor in tensors:
+            if model.skip_checkpoint_tensor(name):
+                continue
+            if loader.load(model.checkpoint_name(name), tensor):
+                weight_bytes += tensor.numel() * dtype.itemsize
+            else:
+                unexpected.append(name)
     loader.finish(f"checkpoint {path}")
     if unexpected:
         logger.warning("ignored %d checkpoint tensor(s) the model does not use: %s", len(unexpected),

@@ -27,11 +27,6 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class TextPart(_Request):
-    type: Literal["text"]
-    text: str
-
-
 class ContentPart(_Request):
     """Any content part; only text parts are supported, others fail with a clear 400."""
 

@@ -20,17 +20,24 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvik import __version__
 from kvik.core.errors import AuthenticationError, InvalidRequestError, KvikError, RequestTooLargeError
+from kvik.core.memory import release_freed_memory
 from kvik.protocol.errors import error_body, error_from_exception
-from kvik.server.model_pool import lease_scope
 from kvik.server.batches.service import BatchService
-from kvik.server.routes import batches, generation, models, ops, tokenize
+from kvik.server.model_pool import lease_scope
+from kvik.server.routes import batches, generation, models, ops, pooling, responses_api, tokenize
 from kvik.server.serving.chat import ChatServing
 from kvik.server.serving.completions import CompletionServing
+from kvik.server.serving.pooling import PoolingServing
+from kvik.server.serving.responses_api import ResponsesServing
 from kvik.server.serving.streams import ClientDisconnected
 from kvik.server.state import ServerState
 from kvik.web import PageConfig, install_web
 
 logger = logging.getLogger("kvik.server")
+
+# After a request this large, its freed memory is handed back to the system: without it a replica's
+# RSS ratcheted up with every multi-megabyte prompt.
+LARGE_BODY_BYTES = 2**20
 
 # Paths that never need a key and never count as in-flight work for draining.
 OPS_PATHS = frozenset({"/health", "/metrics"})
@@ -74,6 +81,9 @@ class RequestGate:
                 return
             with lease_scope():  # models the request used stay loaded until its last byte is sent
                 await self.app(scope, _replay(body, receive), send)
+            if len(body) > LARGE_BODY_BYTES:
+                del body
+                release_freed_memory()
         finally:
             self.state.request_finished()
 
@@ -162,8 +172,12 @@ def create_app(state: ServerState) -> FastAPI:
     app.state.chat = ChatServing(state)
     app.state.completions = CompletionServing(state)
     app.state.batches = BatchService(state, state.config.batch)
+    app.state.pooling = PoolingServing(state)
+    app.state.responses = ResponsesServing(state)
     keyed = [Depends(check_api_key)]
     app.include_router(generation.router, dependencies=keyed)
+    app.include_router(pooling.router, dependencies=keyed)
+    app.include_router(responses_api.router, dependencies=keyed)
     app.include_router(models.router, dependencies=keyed)
     app.include_router(tokenize.router, dependencies=keyed)
     app.include_router(batches.router, dependencies=keyed)

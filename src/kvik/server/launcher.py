@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import time
 from types import FrameType
 
@@ -24,6 +23,7 @@ from kvik.engine.core_client import EngineStartError
 from kvik.engine.preprocess_pool import PreprocessConfig
 from kvik.server.app import create_app
 from kvik.server.state import ServerState
+from kvik.web.client_limits import guarded_h11_protocol
 
 logger = logging.getLogger("kvik.server")
 
@@ -125,14 +125,13 @@ def run_server(engine_args: EngineArgs, state: ServerState, host: str, port: int
                log_level: str = "info", *, engine_in_thread: bool = False,
                preprocess: PreprocessConfig | None = None) -> int:
     app = create_app(state)
+    # The guarded protocol adds the header timeout uvicorn lacks (slowloris) and a lingering close,
+    # so an early 413/408 reaches a client that is still uploading.
+    http = guarded_h11_protocol(state.config.header_timeout, "--header-timeout")
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
-                            timeout_graceful_shutdown=2, lifespan="off")
+                            timeout_graceful_shutdown=2, lifespan="off", http=http)
     server = EngineServer(config, state, engine_args, engine_in_thread=engine_in_thread,
                           preprocess=preprocess)
     server.run()
     return server.exit_code
 
-
-def install_default_signals() -> None:
-    """Restore default SIGTERM handling (pytest and some launchers ignore it)."""
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)

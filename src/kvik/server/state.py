@@ -33,12 +33,15 @@ class ServerConfig:
     drain_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
     max_body_bytes: int = 16 * 2**20
     body_read_timeout: float = 30.0  # seconds a client may take to send its whole body
+    header_timeout: float = 10.0  # seconds from a request's first byte to the end of its headers
     log_prompts: bool = False
     max_num_seqs: int = 64
     trust_request_chat_template: bool = False  # let requests bring their own chat template
     # Names of priority values, for metrics labels and the Batch API's background tier.
     tiers: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_TIERS))
     batch: BatchConfig = field(default_factory=lambda: BatchConfig(db_path=None))
+    # SQLite file of stored Responses API responses (`:memory:`: kept only while the server runs).
+    responses_store: str = ":memory:"
 
 
 @dataclass(eq=False)

@@ -2,7 +2,7 @@
 
 A checkpoint is a directory `step-NNNNNNNN/` holding model.pt and optimizer.pt (full, unsharded state
 dicts, so a run may resume with another strategy), trainer.pt (step, scheduler, data version) and
-rng-rank<R>.pt per process. It is written under `.tmp-step-NNNNNNNN/` and renamed into place only
+rng-rank<R>.pt per process; trainer.pt also holds the task's own state (e.g. PPO's KL coefficient). It is written under `.tmp-step-NNNNNNNN/` and renamed into place only
 when complete: a crash mid-save leaves the previous checkpoints untouched, and any directory named
 `step-*` is whole. The data position is the step itself (see `kvik.train.batches`).
 """
@@ -29,8 +29,9 @@ _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 @dataclass(frozen=True, slots=True)
 class ResumeState:
-    step: int  # optimizer steps completed
+    step: int  # optimizer steps completed (PPO/GRPO: iterations)
     data_version: str | None
+    task_state: dict[str, Any]  # what the task's state_dict() returned when saving
 
 
 def _state_options(trainable_only: bool) -> StateDictOptions:
@@ -82,7 +83,8 @@ def list_checkpoints(root: Path) -> list[Path]:
 
 def save_checkpoint(root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     scheduler: Any, info: DistInfo, *, data_version: str | None,
-                    trainable_only: bool, keep_last: int) -> Path:
+                    trainable_only: bool, keep_last: int,
+                    task_state: dict[str, Any] | None = None) -> Path:
     """Write the checkpoint of `step` (a collective: every rank calls it) and keep the newest
     `keep_last`. Returns the checkpoint directory."""
     final = root / f"step-{step:08d}"
@@ -99,7 +101,7 @@ def save_checkpoint(root: Path, step: int, model: torch.nn.Module, optimizer: to
         _save(model_state, tmp / "model.pt")
         _save(optim_state, tmp / "optimizer.pt")
         _save({"step": step, "scheduler": scheduler.state_dict(), "data_version": data_version,
-               "world_size": info.world_size}, tmp / "trainer.pt")
+               "world_size": info.world_size, "task_state": task_state or {}}, tmp / "trainer.pt")
     barrier(info)
     if info.is_main:
         _fsync_dir(tmp)
@@ -132,4 +134,4 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     if not rng_file.exists():  # resumed with more processes than saved it: best effort
         rng_file = path / "rng-rank0.pt"
     _set_rng_state(torch.load(rng_file, weights_only=False))
-    return ResumeState(int(trainer["step"]), trainer["data_version"])
+    return ResumeState(int(trainer["step"]), trainer["data_version"], trainer.get("task_state") or {})

@@ -11,7 +11,8 @@ from typing import Any
 from kvik.core.config_files import build_dataclass, read_config_file  # noqa: F401 (re-exported)
 from kvik.core.errors import ConfigError
 
-TASKS = ("pretrain", "sft")
+TASKS = ("pretrain", "sft", "reward", "dpo", "ppo", "grpo")
+DPO_LOSSES = ("sigmoid", "ipo", "simpo")
 STRATEGIES = ("ddp", "fsdp")
 PRECISIONS = ("auto", "fp32", "bf16")
 
@@ -30,7 +31,13 @@ class ModelConfig:
 class DataConfig:
     shards: str | None = None  # pretrain: directory with manifest.json from `kvik data`
     sft_path: str | None = None  # sft: JSONL of {"messages": [{"role", "content"}, ...]}
-    seq_len: int = 256  # tokens per sample (longer SFT conversations are truncated)
+    # reward, dpo: a directory written by `kvik data comparisons` (train and val splits), or one
+    # comparisons JSONL used whole for training
+    comparisons: str | None = None
+    # ppo, grpo: JSONL whose lines have a "prompt" (a comparisons file or directory will do); the
+    # held-out prompts of a comparisons directory are not used for training
+    prompts: str | None = None
+    seq_len: int = 256  # tokens per sample (longer SFT conversations and pairs are truncated)
 
 
 @dataclass(slots=True)
@@ -70,9 +77,45 @@ class LoraConfig:
 
 
 @dataclass(slots=True)
+class DPOConfig:
+    beta: float = 0.1  # strength of the implicit KL constraint (sigmoid, ipo); SimPO's reward scale
+    # sigmoid: DPO (Rafailov et al. 2023); ipo: IPO's squared loss (Azar et al. 2023);
+    # simpo: SimPO (Meng et al. 2024), reference-free, length-normalised log-likelihoods
+    loss: str = "sigmoid"
+    simpo_gamma: float = 0.5  # SimPO's target reward margin
+
+
+@dataclass(slots=True)
+class PPOConfig:
+    # Exactly one scorer: a reward model directory (`task: reward` output), or a Python function
+    # "package.module:name" / "path/to/file.py:name" called as f(prompts, responses) -> floats.
+    reward_model: str | None = None
+    reward_function: str | None = None
+    rollout_batch_size: int = 16  # prompts per iteration, all ranks together
+    max_new_tokens: int = 32
+    temperature: float = 1.0  # rollouts sample from softmax(logits / temperature), no top-k/top-p
+    ppo_epochs: int = 4  # passes over each iteration's rollouts
+    minibatch_size: int = 8  # rollouts per optimizer step, per rank
+    clip_range: float = 0.2  # policy ratio clip
+    value_clip_range: float = 0.2  # value prediction clip around the rollout's values
+    vf_coef: float = 0.1
+    gamma: float = 1.0
+    lam: float = 0.95  # GAE lambda
+    init_kl_coef: float = 0.1  # per-token KL penalty coefficient (GRPO: beta of its KL loss term)
+    # Adaptive KL controller (Ziegler et al. 2019): the coefficient moves so that the mean KL per
+    # response approaches this many nats; null keeps the coefficient fixed.
+    target_kl: float | None = 6.0
+    kl_horizon: int = 10000
+    whiten_rewards: bool = False  # divide per-token rewards by their batch std before GAE
+    group_size: int = 4  # GRPO: responses per prompt
+    # Extra arguments of the rollout engine, kvik.LLM (e.g. kv_cache_memory, max_num_seqs).
+    engine: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
 class TrainConfig:
     output_dir: str
-    task: str = "pretrain"  # pretrain | sft
+    task: str = "pretrain"  # pretrain | sft | reward | dpo | ppo | grpo
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -84,6 +127,8 @@ class TrainConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     lora: LoraConfig | None = None
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)  # also grpo's settings
     eval_every: int = 0  # steps between validation losses (0: at the end only, if there is a val split)
     eval_batches: int = 8
     log_every: int = 1
@@ -98,6 +143,13 @@ class TrainConfig:
         if self.task == "sft" and not (self.data.sft_path and self.model.init_from):
             raise ConfigError("sft needs data.sft_path (chat JSONL) and model.init_from "
                               "(a model directory with a chat template)")
+        if self.task in ("reward", "dpo") and not (self.data.comparisons and self.model.init_from):
+            raise ConfigError(f"{self.task} needs data.comparisons (from `kvik data comparisons`) "
+                              "and model.init_from (the SFT model to start from)")
+        if self.task in ("ppo", "grpo"):
+            self._validate_rl()
+        if self.dpo.loss not in DPO_LOSSES:
+            raise ConfigError(f"dpo.loss: {self.dpo.loss!r} is not one of {', '.join(DPO_LOSSES)}")
         if self.lora is not None and not self.model.init_from:
             raise ConfigError("lora: needs model.init_from, the base model the adapter applies to")
         if self.distributed.strategy not in STRATEGIES:
@@ -112,6 +164,38 @@ class TrainConfig:
             raise ConfigError("data.seq_len: must be at least 2")
         if self.checkpoint.keep_last < 1:
             raise ConfigError("checkpoint.keep_last: must be at least 1")
+
+    def _validate_rl(self) -> None:
+        ppo = self.ppo
+        if not (self.data.prompts and self.model.init_from):
+            raise ConfigError(f"{self.task} needs data.prompts (JSONL with a \"prompt\" per line) and "
+                              "model.init_from (the SFT policy)")
+        if (ppo.reward_model is None) == (ppo.reward_function is None):
+            raise ConfigError("ppo: give exactly one of reward_model (a `task: reward` output "
+                              "directory) or reward_function (\"module:function\")")
+        if self.distributed.strategy != "ddp":
+            raise ConfigError(f"{self.task}: only distributed.strategy ddp is supported")
+        for name in ("rollout_batch_size", "max_new_tokens", "ppo_epochs", "minibatch_size",
+                     "group_size"):
+            if getattr(ppo, name) < 1:
+                raise ConfigError(f"ppo.{name}: must be at least 1")
+        if ppo.temperature <= 0:
+            raise ConfigError("ppo.temperature: must be positive (rollouts are sampled)")
+        if ppo.target_kl is not None and ppo.target_kl <= 0:
+            raise ConfigError("ppo.target_kl: must be positive, or null for a fixed coefficient")
+
+    def rollouts_per_rank(self, world_size: int) -> int:
+        """PPO/GRPO responses each rank generates per iteration."""
+        per_rank = self.ppo.rollout_batch_size // world_size
+        return per_rank * (self.ppo.group_size if self.task == "grpo" else 1)
+
+    def total_optimizer_steps(self, world_size: int) -> int:
+        """Length of the learning-rate schedule: PPO/GRPO take several optimizer steps per
+        iteration (epochs x minibatches); other tasks one per step."""
+        if self.task not in ("ppo", "grpo"):
+            return self.max_steps
+        minibatches = max(1, self.rollouts_per_rank(world_size) // self.ppo.minibatch_size)
+        return self.max_steps * self.ppo.ppo_epochs * minibatches
 
     @property
     def checkpoint_dir(self) -> Path:

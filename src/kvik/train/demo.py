@@ -9,10 +9,10 @@ time: the server calls `trained_demo_model_path()` at start-up.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
+from kvik.core.cache_dir import kvik_cache_dir
 from kvik.train.monitor import SUMMARY_FILE
 
 DEMO_NAME = "demo-shakespeare"
@@ -52,17 +52,12 @@ TRAIN: dict[str, Any] = {
 }
 
 
-def cache_dir() -> Path:
-    """$KVIK_CACHE_DIR, else ~/.cache/kvik."""
-    return Path(os.environ.get("KVIK_CACHE_DIR") or Path.home() / ".cache" / "kvik")
-
-
 def trained_demo_model_path() -> Path | None:
     """The trained demo model's directory (HF format, with tokenizer), or None if there is none.
 
     A directory counts only once training has finished exporting (its summary file is written
     last), so a half-trained or interrupted demo is never served."""
-    path = cache_dir() / DEMO_NAME
+    path = kvik_cache_dir() / DEMO_NAME
     if (path / SUMMARY_FILE).is_file() and (path / "config.json").is_file():
         return path
     return None

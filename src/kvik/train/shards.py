@@ -1,13 +1,12 @@
 """Reading the token shards `kvik data` writes, checksums first.
 
-The format is described in `kvik.data.shards` (the two packages meet only at these files). Every
+The format is defined in `kvik.core.shard_format` (the data and train packages meet only there). Every
 shard's sha256 is checked against the manifest before a single token is read: training on silently
 corrupted data wastes the run and is hard to notice afterwards.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,9 +15,7 @@ import numpy as np
 
 from kvik.core.config_files import file_sha256
 from kvik.core.errors import ConfigError
-
-MANIFEST_FORMAT = "kvik-token-shards/1"
-DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+from kvik.core.shard_format import TOKEN_DTYPES, load_manifest
 
 
 class ShardChecksumError(ConfigError):
@@ -70,23 +67,11 @@ class TokenDataset:
         return int(self.manifest["tokenizer"]["eos_token_id"])
 
 
-def load_manifest(root: str | Path) -> dict[str, Any]:
-    path = Path(root) / "manifest.json"
-    try:
-        manifest = json.loads(path.read_text())
-    except OSError as exc:
-        raise ConfigError(f"data.shards: cannot read {path} ({exc.strerror}); run `kvik data run` "
-                          "first") from exc
-    if manifest.get("format") != MANIFEST_FORMAT:
-        raise ConfigError(f"{path}: format {manifest.get('format')!r} is not {MANIFEST_FORMAT}")
-    return manifest
-
-
 def open_dataset(root: str | Path, *, verify: bool = True) -> TokenDataset:
     """Open the shards under `root`; raise ShardChecksumError if any differs from the manifest."""
     root = Path(root)
     manifest = load_manifest(root)
-    dtype = DTYPES[manifest["dtype"]]
+    dtype = np.dtype(TOKEN_DTYPES[manifest["dtype"]])
     tokenizer_file = root / manifest["tokenizer"]["dir"] / "tokenizer.json"
     if verify and file_sha256(tokenizer_file) != manifest["tokenizer"]["sha256"]:
         raise ShardChecksumError(f"{tokenizer_file}: sha256 differs from manifest.json; the "

@@ -130,6 +130,7 @@ async function start(models) {
   const fromHash = new URLSearchParams(location.hash.slice(1)).get('c');
   if (fromHash) await openConversation(fromHash);
   else newChat();
+  document.body.dataset.ready = 'true';
 }
 
 function defaultModel() {
@@ -347,6 +348,9 @@ async function generate(doc, parentId) {
       state.active.delete(message.id);
       state.paintWatch.delete(message.id);
       if (doc === state.doc) {
+        // A whole short answer can arrive within one animation frame: then the repaint below is
+        // its first paint (the frame's flush would run after the watch is gone).
+        if (firstAt !== null && stats.paint_ms === undefined) stats.paint_ms = Math.round(performance.now() - sentAt);
         view.setStreaming(message.id, false);
         announce(status === 'completed' ? 'Answer complete.' : status === 'cancelled' ? 'Answer stopped.' : 'Answer failed.');
       }
@@ -435,7 +439,8 @@ function wireControls() {
   el.composer.addEventListener('submit', (event) => {
     event.preventDefault();
     const text = el.input.value;
-    if (streamingIds(state.doc).size || !text.trim()) return;
+    // Until start() has opened a conversation there is nothing to send into: keep the text.
+    if (!state.doc || streamingIds(state.doc).size || !text.trim()) return;
     el.input.value = '';
     resizeInput();
     send(text);

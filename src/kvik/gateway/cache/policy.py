@@ -41,10 +41,12 @@ def directive(body: Mapping[str, Any], headers: Mapping[str, str]) -> CacheDirec
     return CacheDirective(read="no-cache" not in cache_control, write=True)
 
 
-def cache_key(endpoint: str, model: str, body: Mapping[str, Any]) -> str:
-    """SHA-256 of the normalised request: canonical model name (aliases share entries), sorted keys,
-    no whitespace, answer-neutral fields dropped. `stream` stays in: the wire format differs."""
+def cache_key(endpoint: str, model: str, body: Mapping[str, Any], *, tenant: str | None) -> str:
+    """SHA-256 of the tenant and the normalised request: canonical model name (aliases share
+    entries), sorted keys, no whitespace, answer-neutral fields dropped. `stream` stays in: the wire
+    format differs. `tenant` None shares the entry across tenants (an explicit opt-in)."""
     normalised = {k: v for k, v in body.items() if k not in _IGNORED_FIELDS}
     normalised["model"] = model
-    material = json.dumps([endpoint, normalised], sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    # ASCII escapes: a lone surrogate (valid JSON, `"\ud800"`) has no UTF-8 encoding.
+    material = json.dumps([tenant, endpoint, normalised], sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(material.encode()).hexdigest()

@@ -1,4 +1,10 @@
-"""The user-supplied text of a request, read and rewritten in one place for every guardrail."""
+"""The user-supplied text of a request, read and rewritten in one place for every guardrail.
+
+The texts are, in order: chat message contents (strings and `text` parts), completions prompts (a
+string or a list of strings; token-id prompts have no text), and every string value inside
+`chat_template_kwargs` (a chat template may render any of them into the prompt, so they are text the
+model sees, and a way around redaction if left out).
+"""
 
 from __future__ import annotations
 
@@ -7,8 +13,7 @@ from typing import Any
 
 
 def request_texts(body: dict[str, Any]) -> list[str]:
-    """Every text a guardrail should see: chat message contents (strings and text parts) and
-    completions prompts (a string or a list of strings; token-id prompts have no text)."""
+    """Every text a guardrail should see, in a fixed order (`map_request_texts` visits the same)."""
     texts: list[str] = []
 
     def collect(text: str) -> str:
@@ -17,6 +22,12 @@ def request_texts(body: dict[str, Any]) -> list[str]:
 
     map_request_texts(body, collect)
     return texts
+
+
+def replace_request_texts(body: dict[str, Any], texts: list[str]) -> dict[str, Any]:
+    """A copy of `body` with the texts `request_texts` returned replaced, in order, by `texts`."""
+    replacements = iter(texts)
+    return map_request_texts(body, lambda _: next(replacements))
 
 
 def map_request_texts(body: dict[str, Any], transform: Callable[[str], str]) -> dict[str, Any]:
@@ -31,6 +42,9 @@ def map_request_texts(body: dict[str, Any], transform: Callable[[str], str]) -> 
         out["prompt"] = transform(prompt)
     elif isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
         out["prompt"] = [transform(p) for p in prompt]
+    kwargs = body.get("chat_template_kwargs")
+    if isinstance(kwargs, dict):
+        out["chat_template_kwargs"] = _map_values(kwargs, transform)
     return out
 
 
@@ -49,3 +63,14 @@ def _map_message(message: Any, transform: Callable[[str], str]) -> Any:
         ]
         return {**message, "content": parts}
     return message
+
+
+def _map_values(node: Any, transform: Callable[[str], str]) -> Any:
+    """Every string value of a JSON tree (not the keys). Depth is bounded by the body parser."""
+    if isinstance(node, str):
+        return transform(node)
+    if isinstance(node, dict):
+        return {key: _map_values(value, transform) for key, value in node.items()}
+    if isinstance(node, list):
+        return [_map_values(item, transform) for item in node]
+    return node

@@ -15,7 +15,8 @@ class CounterBackend(ABC):
 
     @abstractmethod
     async def add(self, name: str, cost: int, window_s: float) -> None:
-        """Record units unconditionally (tokens are known only after the upstream answered)."""
+        """Record units unconditionally; a negative cost gives back part of a reservation (the
+        current window's count never goes below zero)."""
 
     async def close(self) -> None:
         return None

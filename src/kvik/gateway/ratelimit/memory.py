@@ -26,7 +26,7 @@ class MemoryCounters(CounterBackend):
 
     async def add(self, name: str, cost: int, window_s: float) -> None:
         counter, _ = self._roll(name, window_s)
-        counter[1] += cost
+        counter[1] = max(0.0, counter[1] + cost)
 
     def _roll(self, name: str, window_s: float) -> tuple[list[float], WindowCounts]:
         now = self._clock()

@@ -30,6 +30,9 @@ local allowed = 1
 if mode ~= 'add' and prev * (1 - fraction) + cur + cost > limit then
   allowed = 0
 end
+if mode == 'add' and cur + cost < 0 then
+  cost = -cur  -- a refund never takes the window below zero
+end
 if allowed == 1 and mode ~= 'check' then
   redis.call('HINCRBY', KEYS[1], tostring(index), cost)
   redis.call('HDEL', KEYS[1], tostring(index - 2))

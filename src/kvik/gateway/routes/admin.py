@@ -3,29 +3,36 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from kvik.core.errors import InvalidRequestError
 from kvik.gateway.audit import record_admin_action
+from kvik.gateway.keys import MAX_LIMIT
+from kvik.gateway.openapi import request_body
 from kvik.gateway.state import GatewayState
 from kvik.gateway.usage import aggregate_usage
 
 router = APIRouter(prefix="/admin")
 
 
+# Strict integers: `1e30` is a float, not a limit; the bound keeps values exact in SQL and JSON.
+Limit = Annotated[StrictInt, Field(ge=1, le=MAX_LIMIT)]
+
+
 class KeyCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    name: str
-    role: str = "user"
-    models: list[str] | None = None
-    rpm: int | None = None
-    tpm: int | None = None
-    token_budget: int | None = None
+    name: str = Field(min_length=1, max_length=200)
+    role: Literal["user", "admin"] = "user"
+    models: list[Annotated[str, Field(min_length=1, max_length=200)]] | None = None
+    rpm: Limit | None = None
+    tpm: Limit | None = None
+    token_budget: Limit | None = None
+    team: Annotated[str, Field(min_length=1, max_length=200)] | None = None
 
 
 async def _admin(request: Request) -> GatewayState:
@@ -34,7 +41,7 @@ async def _admin(request: Request) -> GatewayState:
     return state
 
 
-@router.post("/keys")
+@router.post("/keys", openapi_extra=request_body("KeyCreate"))
 async def create_key(request: Request) -> Response:
     state = await _admin(request)
     try:
@@ -44,7 +51,7 @@ async def create_key(request: Request) -> Response:
         param = ".".join(str(part) for part in error["loc"]) or None
         raise InvalidRequestError(f"{param}: {error['msg']}" if param else error["msg"], param=param) from None
     new = await asyncio.to_thread(state.keys.create, spec.name, role=spec.role, models=spec.models,
-                                  rpm=spec.rpm, tpm=spec.tpm, token_budget=spec.token_budget)
+                                  rpm=spec.rpm, tpm=spec.tpm, token_budget=spec.token_budget, team=spec.team)
     await record_admin_action(request, "key.create", new.key.id, spec.model_dump())
     # The secret appears in this response and nowhere else, ever.
     return JSONResponse({**new.key.to_public_dict(), "key": new.secret}, status_code=201)

@@ -29,7 +29,7 @@ async def _admin(request: Request) -> GatewayState:
 
 @router.patch("/keys/{key_id}")
 async def update_key(request: Request, key_id: str) -> Response:
-    """Change `name`, `models`, `rpm`, `tpm` or `token_budget` (null clears); takes effect at once on
+    """Change `name`, `models`, `rpm`, `tpm`, `token_budget` or `team` (null clears); takes effect at once on
     this gateway and within `auth.key_cache_ttl_s` on the others."""
     state = await _admin(request)
     raw = await request.body()

@@ -5,8 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from kvik.core.errors import RequestTooLargeError
-from kvik.gateway.batch_proxy import MAX_FILE_BYTES, BatchProxy
+from kvik.gateway.batch_proxy import BatchProxy
 
 router = APIRouter()
 
@@ -16,13 +15,8 @@ _PASSED_HEADERS = ("content-type",)
 async def _forward(request: Request, path: str) -> Response:
     state = request.app.state.gateway
     principal = await state.auth.authenticate(request.headers.get("authorization"))
-    limit = MAX_FILE_BYTES if path == "/v1/files" else state.config.limits.max_body_bytes
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise RequestTooLargeError(f"The request body is over the gateway's limit of {limit} bytes.")
-    answer = await BatchProxy(state).forward(principal, request.method, path, request.url.query, bytes(body),
+    body = await request.body()  # bounded in size and time by the ClientLimits middleware
+    answer = await BatchProxy(state).forward(principal, request.method, path, request.url.query, body,
                                              request.headers.get("content-type"))
     headers = {name: answer.headers[name] for name in _PASSED_HEADERS if name in answer.headers}
     return Response(answer.content, status_code=answer.status_code, headers=headers)

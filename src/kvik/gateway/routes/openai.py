@@ -7,6 +7,7 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from kvik.gateway.openapi import request_body
 from kvik.gateway.serving import CHAT, COMPLETIONS, ProxyService
 from kvik.gateway.state import GatewayState
 
@@ -14,13 +15,13 @@ router = APIRouter()
 _STARTED = int(time.time())
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", openapi_extra=request_body("ChatCompletionRequest"))
 async def chat_completions(request: Request) -> Response:
     service: ProxyService = request.app.state.service
     return await service.handle(request, CHAT)
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", openapi_extra=request_body("CompletionRequest"))
 async def completions(request: Request) -> Response:
     service: ProxyService = request.app.state.service
     return await service.handle(request, COMPLETIONS)

@@ -1,4 +1,5 @@
-"""Operations endpoints: liveness and Prometheus metrics (no key needed, like any scrape target)."""
+"""Operations endpoints: liveness (no key) and Prometheus metrics, which name every replica URL: on
+their own listener (`metrics.port`, see `listeners`) or behind an admin key (`metrics.auth`)."""
 
 from __future__ import annotations
 
@@ -22,4 +23,6 @@ async def health(request: Request) -> Response:
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     state: GatewayState = request.app.state.gateway
+    if state.config.metrics.port is None and state.config.metrics.auth == "admin_key":
+        await state.auth.authenticate_admin(request.headers.get("authorization"))
     return Response(state.metrics.render(state.router), media_type=CONTENT_TYPE_LATEST)

@@ -74,7 +74,10 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
         )""",
         "CREATE INDEX admin_audit_created ON admin_audit (created_at)",
     ]),
-    (4, "priority tiers of keys, and batches created through the gateway", [
+    (4, "key teams (the tenant that shares a cache scope and prefix-cache salt)", [
+        "ALTER TABLE api_keys ADD COLUMN team TEXT",
+    ]),
+    (5, "priority tiers of keys, and batches created through the gateway", [
         """CREATE TABLE key_scheduling (
             key_id TEXT PRIMARY KEY,            -- an api_keys id (or the bootstrap admin's)
             tier TEXT NOT NULL,                 -- a name from the config's scheduling.tiers

@@ -3,6 +3,7 @@ key while a gateway is serving from the same file."""
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import threading
 import time
@@ -21,6 +22,7 @@ class SqliteDatabase(Database):
     def __init__(self, path: str) -> None:
         if path != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
+            _create_private(path)
         try:
             # isolation_level=None: autocommit; transactions are explicit (see `transaction`).
             self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=10)
@@ -71,3 +73,15 @@ class SqliteDatabase(Database):
     def close(self) -> None:
         with self._lock:
             self._conn.close()
+
+
+def _create_private(path: str) -> None:
+    """Create the database file readable by its owner only (0600): it holds key hashes and every
+    request's metadata. SQLite gives the -wal and -shm files it adds the same mode. An existing
+    file keeps the mode its operator gave it."""
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise ConfigError(f"database_url: cannot create SQLite file {path}: {exc}") from None

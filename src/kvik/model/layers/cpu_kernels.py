@@ -19,6 +19,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Callable
 
+from kvik.core.cache_dir import kvik_cache_dir
+
 logger = logging.getLogger("kvik.model")
 
 _lock = threading.Lock()
@@ -53,7 +55,7 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("KVIK_CACHE_DIR") or Path.home() / ".cache" / "kvik") / "torch_extensions"
+    return kvik_cache_dir() / "torch_extensions"
 
 
 def _sources() -> tuple[str, dict[str, bytes]]:

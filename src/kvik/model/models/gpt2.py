@@ -15,6 +15,7 @@ from torch import nn
 
 from kvik.model.config import ModelConfig
 from kvik.model.layers.attention import AttentionMetadata, PagedAttention
+from kvik.model.pooling import LAST
 from kvik.model.weights import WeightLoader
 
 _CONV1D = re.compile(r"\.(c_attn|c_proj|c_fc)\.weight$")
@@ -79,6 +80,11 @@ class GPT2Model(nn.Module):
 
 
 class GPT2LMHeadModel(nn.Module):
+    supported_tasks = ("generate", "embed")  # embeddings: the last token's state, normalised
+    uses_kv_cache = True
+    default_pooling = LAST
+    default_normalize = True
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):

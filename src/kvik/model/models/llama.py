@@ -19,6 +19,7 @@ from kvik.model.config import ModelConfig
 from kvik.model.layers.attention import AttentionMetadata, PagedAttention
 from kvik.model.layers.norm import RMSNorm
 from kvik.model.layers.rotary import RotaryEmbedding, apply_rotary
+from kvik.model.pooling import LAST, num_labels
 from kvik.model.weights import FusedPiece, WeightLoader
 
 
@@ -128,6 +129,13 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    # A decoder also embeds: the last token's final hidden state, normalised (unless the model's
+    # sentence-transformers files say otherwise).
+    supported_tasks = ("generate", "embed")
+    uses_kv_cache = True
+    default_pooling = LAST
+    default_normalize = True
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
@@ -181,3 +189,53 @@ class LlamaForCausalLM(nn.Module):
         # ignores in favour of the embedding.
         return name.endswith("rotary_emb.inv_freq") or (
             self.config.tie_word_embeddings and name == "lm_head.weight")
+
+
+class LlamaForSequenceClassification(nn.Module):
+    """The Llama family with a score head instead of the LM head (HF's `*ForSequenceClassification`;
+    a reward model is one with a single label). The last token's final hidden state goes through
+    `score` (no bias); HF takes the last token that is not the pad token, which the engine matches
+    by dropping trailing pad tokens from the prompt (a causal model's earlier states do not depend
+    on them)."""
+
+    supported_tasks = ("classify",)
+    uses_kv_cache = True
+    default_pooling = LAST
+    default_normalize = False
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                      cfg.rope_scaling)
+        self.model = LlamaModel(cfg, self.rotary)
+        self.score = nn.Linear(cfg.hidden_size, num_labels(cfg), bias=False)
+
+    def tie_weights(self) -> None:
+        """The score head is never tied."""
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def prepare(self, device: torch.device, dtype: torch.dtype) -> None:
+        self.rotary.build_cache(device, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        """(B, hidden) pooled states -> (B, num_labels) logits."""
+        # The embedding's dtype is the model's (the score head may be repacked for oneDNN).
+        return self.score(pooled.to(self.model.embed_tokens.weight.dtype))
+
+    def weight_loader(self) -> WeightLoader:
+        return LlamaForCausalLM.weight_loader(self)  # the same fused projections
+
+    @staticmethod
+    def checkpoint_name(name: str) -> str:
+        return name
+
+    def skip_checkpoint_tensor(self, name: str) -> bool:
+        return name.endswith("rotary_emb.inv_freq")
+

@@ -5,8 +5,9 @@ from __future__ import annotations
 from torch import nn
 
 from kvik.core.errors import UnsupportedArchitectureError
+from kvik.model.models.bert import BertModel
 from kvik.model.models.gpt2 import GPT2LMHeadModel
-from kvik.model.models.llama import LlamaForCausalLM
+from kvik.model.models.llama import LlamaForCausalLM, LlamaForSequenceClassification
 
 # Mistral and the Qwen families are Llama variants told apart by ModelConfig flags.
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
@@ -15,6 +16,12 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
+    # Pooling models: an encoder for embeddings, and classifiers (reward models) with a score head.
+    "BertModel": BertModel,
+    "LlamaForSequenceClassification": LlamaForSequenceClassification,
+    "MistralForSequenceClassification": LlamaForSequenceClassification,
+    "Qwen2ForSequenceClassification": LlamaForSequenceClassification,
+    "Qwen3ForSequenceClassification": LlamaForSequenceClassification,
 }
 
 

@@ -1,4 +1,9 @@
-"""POST /v1/chat/completions: a prepared request streamed as chunks or collected into one object."""
+"""POST /v1/chat/completions: a prepared request streamed as chunks or collected into one object.
+
+`collect` + `completion_body` (one chat.completion object) and `chunk_stream` (chat.completion.chunk
+objects as dicts) are also what the Responses API builds on (`kvik.server.serving.responses`): a
+Responses request is a chat request, and its output is read from the chat objects.
+"""
 
 from __future__ import annotations
 
@@ -33,16 +38,16 @@ class ChatServing:
         if body.stream:
             return SSEResponse(self._stream(body, prepared, stream, admission), on_close=admission.release)
         try:
-            choices = await unless_disconnected(raw, self._collect(stream))
+            choices = await unless_disconnected(raw, self.collect(stream))
         except Exception as exc:
             admission.fail(getattr(exc, "http_status", 500), str(exc))
             raise
         finally:
             admission.release()
-        return JSONResponse(self._response(body, prepared, choices))
+        return JSONResponse(self.completion_body(body, prepared, choices))
 
     @staticmethod
-    async def _collect(stream: AsyncIterator[RequestOutput]) -> dict[int, ChoiceAccumulator]:
+    async def collect(stream: AsyncIterator[RequestOutput]) -> dict[int, ChoiceAccumulator]:
         choices: dict[int, ChoiceAccumulator] = {}
         try:
             async for output in stream:
@@ -53,8 +58,8 @@ class ChatServing:
         return choices
 
     @staticmethod
-    def _response(body: ChatCompletionRequest, prepared: PreparedRequest,
-                  choices: dict[int, ChoiceAccumulator]) -> dict[str, Any]:
+    def completion_body(body: ChatCompletionRequest, prepared: PreparedRequest,
+                        choices: dict[int, ChoiceAccumulator]) -> dict[str, Any]:
         record: CallRecord = prepared.prompts[0].record
         top_k = body.top_logprobs or 0
         return {
@@ -70,20 +75,32 @@ class ChatServing:
             "usage": usage(record.prompt_tokens, record.completion_tokens, record.cached_tokens),
         }
 
-    @staticmethod
-    async def _stream(body: ChatCompletionRequest, prepared: PreparedRequest,
+    @classmethod
+    async def _stream(cls, body: ChatCompletionRequest, prepared: PreparedRequest,
                       stream: AsyncIterator[RequestOutput], admission: Admission) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in cls.chunk_stream(body, prepared, stream):
+                yield sse_frame(chunk)
+        except Exception as exc:  # noqa: BLE001 - the engine failed mid-stream: say so, no [DONE]
+            yield failure_frame(exc, admission)
+            return
+        yield DONE_FRAME
+
+    @staticmethod
+    async def chunk_stream(body: ChatCompletionRequest, prepared: PreparedRequest,
+                           stream: AsyncIterator[RequestOutput]) -> AsyncIterator[dict[str, Any]]:
+        """The chat.completion.chunk objects of a stream, as dicts; raises if the engine fails."""
         include_usage = body.include_usage_chunk
         record = prepared.prompts[0].record
         top_k = body.top_logprobs or 0
         header = {"id": prepared.request_id, "object": "chat.completion.chunk",
                   "created": int(prepared.arrival), "model": prepared.model, "system_fingerprint": None}
 
-        def chunk(choices: list[dict[str, Any]]) -> bytes:
+        def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
             payload: dict[str, Any] = {**header, "choices": choices}
             if include_usage:
                 payload["usage"] = None
-            return sse_frame(payload)
+            return payload
 
         for index in range(body.n):
             yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
@@ -98,13 +115,8 @@ class ChatServing:
                     yield chunk([{"index": delta.index,
                                   "delta": {"content": delta.text} if delta.text else {},
                                   "logprobs": logprobs, "finish_reason": delta.finish_reason}])
-        except Exception as exc:  # noqa: BLE001 - the engine failed mid-stream: say so, no [DONE]
-            yield failure_frame(exc, admission)
-            return
         finally:
             await stream.aclose()
         if include_usage:
-            yield sse_frame({**header, "choices": [],
-                             "usage": usage(record.prompt_tokens, record.completion_tokens,
-                                            record.cached_tokens)})
-        yield DONE_FRAME
+            yield {**header, "choices": [],
+                   "usage": usage(record.prompt_tokens, record.completion_tokens, record.cached_tokens)}

@@ -20,6 +20,7 @@ from kvik.core.errors import InvalidRequestError
 from kvik.core.sampling_params import OutputKind, SamplingParams
 from kvik.engine.async_llm import AsyncLLM
 from kvik.engine.messages import EngineCoreRequest
+from kvik.engine.preprocess_pool import RenderedPrompt
 from kvik.protocol.openai import ChatCompletionRequest, ChatMessage, CompletionRequest, _SamplingFields
 from kvik.server.serving.tracking import CallRecord
 from kvik.server.state import ServerState
@@ -154,9 +155,13 @@ async def _system_prompt_tokens(engine: AsyncLLM, messages: list[dict[str, Any]]
     return max(0, len(prefix.token_ids) - 1)
 
 
-async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> PreparedRequest:
+async def prepare_chat(state: ServerState, body: ChatCompletionRequest, *,
+                       rendered: RenderedPrompt | None = None) -> PreparedRequest:
+    """`rendered`: the conversation already rendered and tokenized by the caller (the Responses API
+    continues a stored conversation with its exact token ids, for the prefix cache)."""
     arrival = time.time()
     engine, model = await state.engine_for(body.model)
+    engine.input_processor.check_task("generate")  # before the template: an encoder has none
     template, kwargs = _chat_template_policy(state, body)
     messages = messages_for_template(body.messages)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -165,9 +170,10 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Prepa
     processor = engine.input_processor
     input_bytes = _text_bytes(messages) + (_text_bytes(body.tools) if body.tools else 0)
     processor.check_text_size(_text_bytes([m["content"] for m in messages]), "messages")
-    rendered = await engine.render_chat(messages, add_generation_prompt=body.add_generation_prompt,
-                                        template=template, tools=body.tools, template_kwargs=kwargs,
-                                        input_bytes=input_bytes)
+    if rendered is None:
+        rendered = await engine.render_chat(messages, add_generation_prompt=body.add_generation_prompt,
+                                            template=template, tools=body.tools, template_kwargs=kwargs,
+                                            input_bytes=input_bytes)
     ids = rendered.token_ids
     # The context check first, so an over-long conversation names `messages`, not `prompt`.
     max_tokens = processor.resolve_max_tokens(requested, len(ids), "messages")
@@ -188,6 +194,7 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Prepa
 async def prepare_completion(state: ServerState, body: CompletionRequest) -> PreparedRequest:
     arrival = time.time()
     engine, model = await state.engine_for(body.model)
+    engine.input_processor.check_task("generate")
     if body.best_of is not None and body.best_of != body.n:
         raise InvalidRequestError("best_of: only best_of == n is supported", param="best_of")
     if body.suffix:

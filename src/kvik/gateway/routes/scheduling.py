@@ -42,7 +42,7 @@ async def _check_key(state: GatewayState, key_id: str) -> None:
 async def get_scheduling(key_id: str, request: Request) -> Response:
     state = await _admin(request)
     await _check_key(state, key_id)
-    current = await asyncio.to_thread(state.tenancy.get, key_id)
+    current = await asyncio.to_thread(state.scheduling.get, key_id)
     return JSONResponse(current.to_public_dict(state.config.scheduling.tiers[current.tier]))
 
 
@@ -56,6 +56,6 @@ async def set_scheduling(key_id: str, request: Request) -> Response:
         error = exc.errors()[0]
         param = ".".join(str(part) for part in error["loc"]) or None
         raise InvalidRequestError(f"{param}: {error['msg']}" if param else error["msg"], param=param) from None
-    updated = await asyncio.to_thread(state.tenancy.set, key_id, update.tier, update.weight)
+    updated = await asyncio.to_thread(state.scheduling.set, key_id, update.tier, update.weight)
     await record_admin_action(request, "key.scheduling", key_id, update.model_dump())
     return JSONResponse(updated.to_public_dict(state.config.scheduling.tiers[updated.tier]))

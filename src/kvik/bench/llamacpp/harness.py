@@ -1,0 +1,114 @@
+"""kvik against llama.cpp on the same GGUF file, one precision pair at a time, printed as ratios.
+
+A pair names the GGUF llama.cpp runs and the engine arguments kvik runs it with (kvik reads the same
+file, dequantizes it at load, then applies its own precision flags):
+
+    {"name": "bf16 vs f16", "gguf": "f16", "kvik": {"dtype": "bfloat16"}}
+
+`PAIRS` holds the pairs issue 12 asks for; `--pairs` picks by name and `--pairs-file` (a JSON list in
+that shape) replaces them, so new kvik flags need no code change here. Every ratio reads "> 1: kvik
+ahead": kvik / llama.cpp for throughputs, llama.cpp / kvik for latencies. The two engines run one
+after the other on each workload, so the noise of a shared machine hits both sides alike.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvik.bench.llamacpp import measure
+from kvik.bench.llamacpp.ggufs import gguf_file
+
+PAIRS: list[dict[str, Any]] = [
+    {"name": "f32 vs f32", "gguf": "f32", "kvik": {"dtype": "float32"}},
+    {"name": "bf16 vs f16", "gguf": "f16", "kvik": {"dtype": "bfloat16"}},
+    {"name": "int8 vs q8_0", "gguf": "q8_0", "kvik": {"quantization": "int8"}},
+    {"name": "int4 vs q4_0", "gguf": "q4_0", "kvik": {"quantization": "int4"}},
+    {"name": "int4 vs q4_k_m", "gguf": "q4_k_m", "kvik": {"quantization": "int4"}},
+]
+DEFAULT_PAIRS = ("f32 vs f32",)  # the only kvik precision that exists today
+
+
+@dataclass(slots=True)
+class HarnessConfig:
+    llamacpp_dir: Path
+    models: dict[str, Path]  # label -> HF model directory or .gguf file
+    out_dir: Path
+    pairs: list[dict[str, Any]] = field(default_factory=lambda: [p for p in PAIRS
+                                                                 if p["name"] in DEFAULT_PAIRS])
+    threads: int = field(default_factory=lambda: len(os.sched_getaffinity(0)))
+    kv_cache_memory: str = "2GiB"
+    offline: measure.OfflineSpec = field(default_factory=measure.OfflineSpec)
+    served: measure.ServedSpec = field(default_factory=measure.ServedSpec)
+
+
+def select_pairs(names: str | None, pairs_file: str | None) -> list[dict[str, Any]]:
+    pairs = json.loads(Path(pairs_file).read_text()) if pairs_file else PAIRS
+    wanted = [n.strip() for n in (names or ",".join(DEFAULT_PAIRS)).split(",") if n.strip()]
+    if pairs_file and not names:
+        return pairs
+    known = {p["name"]: p for p in pairs}
+    unknown = [n for n in wanted if n not in known]
+    if unknown:
+        raise ValueError(f"unknown pair(s) {unknown}; known: {', '.join(known)}")
+    return [known[n] for n in wanted]
+
+
+def run_pair(config: HarnessConfig, label: str, model: Path, pair: dict[str, Any]) -> dict[str, Any]:
+    gguf = gguf_file(config.llamacpp_dir, model, pair["gguf"], config.out_dir / "gguf")
+    engine_args = {"kv_cache_memory": config.kv_cache_memory, **pair["kvik"]}
+    work = config.out_dir / f"{label}-{pair['gguf']}"
+    work.mkdir(parents=True, exist_ok=True)
+    print(f"\n== {label}: {pair['name']} on {gguf.name}", flush=True)
+    llama_single = measure.llamacpp_single_stream(config.llamacpp_dir, gguf, config.threads)
+    kvik = measure.kvik_engine(gguf, engine_args, config.offline, work / "kvik-engine.json")
+    llama_http = measure.llamacpp_served(config.llamacpp_dir, gguf, config.threads, config.offline,
+                                         config.served, work)
+    kvik_http = measure.kvik_served(gguf, engine_args, config.served, work)
+    result = {"model": label, "pair": pair, "gguf": str(gguf),
+              "kvik": {**kvik, **kvik_http}, "llamacpp": {**llama_single, **llama_http}}
+    (work / "result.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def ratio_rows(result: dict[str, Any]) -> list[tuple[str, float, float, float]]:
+    """(measure, kvik, llama.cpp, ratio with > 1 meaning kvik ahead)."""
+    kvik, llama = result["kvik"], result["llamacpp"]
+    rows = [("decode tg128, tok/s", kvik["decode_tokens_per_second"], llama["decode_tokens_per_second"]),
+            ("prompt pp512, tok/s", kvik["prompt_tokens_per_second"], llama["prompt_tokens_per_second"]),
+            ("offline 32 req, total tok/s", kvik["offline"]["tokens_per_second"],
+             llama["offline"]["tokens_per_second"])]
+    table = [(name, ours, theirs, ours / theirs) for name, ours, theirs in rows]
+    for concurrency, ours in kvik["served"].items():
+        theirs = llama["served"][concurrency]
+        for key, name in (("p50_ttft_ms", "TTFT p50, ms"), ("p99_ttft_ms", "TTFT p99, ms"),
+                          ("p50_tpot_ms", "TPOT p50, ms")):
+            table.append((f"served c={concurrency} {name}", ours[key], theirs[key], theirs[key] / ours[key]))
+    return table
+
+
+def format_result(result: dict[str, Any]) -> list[str]:
+    lines = [f"\n{result['model']}: kvik {json.dumps(result['pair']['kvik'])} vs llama.cpp "
+             f"{result['pair']['gguf']}, same file {Path(result['gguf']).name}",
+             f"  {'':<34}{'kvik':>10}{'llama.cpp':>12}{'ratio':>9}   (ratio > 1: kvik ahead)"]
+    for name, ours, theirs, ratio in ratio_rows(result):
+        lines.append(f"  {name:<34}{ours:10.1f}{theirs:12.1f}{ratio:8.2f}x")
+    return lines
+
+
+def run_harness(config: HarnessConfig) -> dict[str, Any]:
+    config.out_dir.mkdir(parents=True, exist_ok=True)
+    results = [run_pair(config, label, model, pair)
+               for label, model in config.models.items() for pair in config.pairs]
+    lines = [line for result in results for line in format_result(result)]
+    print("\n".join(lines), flush=True)
+    report = {"config": {**asdict(config), "llamacpp_dir": str(config.llamacpp_dir),
+                         "out_dir": str(config.out_dir),
+                         "models": {k: str(v) for k, v in config.models.items()}},
+              "results": results, "printed": lines}
+    (config.out_dir / "llamacpp.json").write_text(json.dumps(report, indent=1, default=str))
+    return report
+

@@ -1,0 +1,43 @@
+"""The llama.cpp comparison's pure parts (the runs themselves need a llama.cpp build and are not in CI):
+pair selection, kvik flags from engine arguments, and ratios that read "> 1: kvik ahead"."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvik.bench.llamacpp.harness import PAIRS, format_result, ratio_rows, select_pairs
+from kvik.bench.llamacpp.measure import engine_flags
+
+
+def test_engine_arguments_become_kvik_serve_flags():
+    assert engine_flags({"dtype": "bfloat16", "kv_cache_memory": "2GiB", "enforce_eager": True,
+                         "quantization": None}) == [
+        "--dtype", "bfloat16", "--kv-cache-memory", "2GiB", "--enforce-eager"]
+
+
+def test_pairs_are_chosen_by_name_or_read_from_a_file(tmp_path):
+    assert [p["name"] for p in select_pairs(None, None)] == ["f32 vs f32"]
+    assert select_pairs("bf16 vs f16, int8 vs q8_0", None) == [PAIRS[1], PAIRS[2]]
+    with pytest.raises(ValueError, match="unknown pair"):
+        select_pairs("fp8 vs q8_0", None)
+    own = [{"name": "mine", "gguf": "q4_k_m", "kvik": {"quantization": "int4", "group_size": 64}}]
+    (tmp_path / "pairs.json").write_text(json.dumps(own))
+    assert select_pairs(None, str(tmp_path / "pairs.json")) == own
+
+
+def test_every_ratio_reads_greater_than_one_when_kvik_is_ahead():
+    served = {"1": {"p50_ttft_ms": 50.0, "p99_ttft_ms": 80.0, "p50_tpot_ms": 10.0}}
+    slower = {"1": {"p50_ttft_ms": 100.0, "p99_ttft_ms": 400.0, "p50_tpot_ms": 20.0}}
+    result = {"model": "reference", "pair": PAIRS[0], "gguf": "/x/ref-f32.gguf",
+              "kvik": {"decode_tokens_per_second": 90.0, "prompt_tokens_per_second": 1500.0,
+                       "offline": {"tokens_per_second": 1000.0}, "served": served},
+              "llamacpp": {"decode_tokens_per_second": 60.0, "prompt_tokens_per_second": 1000.0,
+                           "offline": {"tokens_per_second": 500.0}, "served": slower}}
+    ratios = {name: ratio for name, _, _, ratio in ratio_rows(result)}
+    assert ratios == {"decode tg128, tok/s": 1.5, "prompt pp512, tok/s": 1.5,
+                      "offline 32 req, total tok/s": 2.0, "served c=1 TTFT p50, ms": 2.0,
+                      "served c=1 TTFT p99, ms": 5.0, "served c=1 TPOT p50, ms": 2.0}
+    printed = "\n".join(format_result(result))
+    assert "ref-f32.gguf" in printed and "1.50x" in printed

@@ -1,0 +1,132 @@
+"""GGUF files: weights equal the `gguf` package's dequantization and transformers' GGUF reader, config
+and tokenizer come from the metadata, and greedy output equals transformers loading the same file."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from kvik import LLM, SamplingParams
+from kvik.core.errors import ConfigError
+from kvik.core.tokenizer import Tokenizer
+from kvik.model.loader import load_model, load_model_config, resolve_model_path
+from tests.model.gguf_files import LlamaShape, write_llama_gguf
+
+Q = gguf.GGMLQuantizationType
+TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K]
+# The mix of a llama.cpp Q4_K_M file, plus the other types, in one model.
+MIXED = {"token_embd.weight": Q.Q8_0, "attn_q.weight": Q.Q4_K, "attn_k.weight": Q.Q4_0,
+         "attn_v.weight": Q.Q6_K, "attn_output.weight": Q.Q4_1, "ffn_gate.weight": Q.F16,
+         "ffn_up.weight": Q.BF16, "ffn_down.weight": Q.Q6_K, "output.weight": Q.Q8_0}
+
+
+@pytest.fixture(scope="module")
+def gguf_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("gguf")
+
+
+def hf_from_gguf(path):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def kvik_weights(path) -> dict[str, torch.Tensor]:
+    """kvik's loaded parameters under HF names (fused q/k/v and gate/up split back)."""
+    config = load_model_config(path)
+    model = load_model(path, config, torch.device("cpu"), torch.float32, show_progress=False).model
+    q, kv, inter = config.num_heads * config.head_dim, config.kv_dim, config.intermediate_size
+    weights = {}
+    for name, param in model.state_dict().items():
+        if "qkv_proj" in name:
+            for part, rows in (("q_proj", slice(0, q)), ("k_proj", slice(q, q + kv)),
+                               ("v_proj", slice(q + kv, q + 2 * kv))):
+                weights[name.replace("qkv_proj", part)] = param[rows]
+        elif "gate_up_proj" in name:
+            weights[name.replace("gate_up_proj", "gate_proj")] = param[:inter]
+            weights[name.replace("gate_up_proj", "up_proj")] = param[inter:]
+        else:
+            weights[name] = param
+    return weights
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
+def test_weights_equal_gguf_dequantize_and_transformers(gguf_dir, qtype):
+    path = write_llama_gguf(gguf_dir / f"{qtype.name}.gguf", qtype, tied=False, seed=1)
+    ours = kvik_weights(path)
+    reference = hf_from_gguf(path).state_dict()
+    for name, expected in reference.items():
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        torch.testing.assert_close(ours[name], expected, rtol=0, atol=0, msg=name)
+    # Tensors stored without permutation equal the gguf package's own dequantization bit for bit.
+    reader = gguf.GGUFReader(path)
+    down = next(t for t in reader.tensors if t.name == "blk.1.ffn_down.weight")
+    assert down.tensor_type == qtype
+    expected = torch.from_numpy(np.array(gguf.dequantize(down.data, down.tensor_type)))
+    assert torch.equal(ours["model.layers.1.mlp.down_proj.weight"], expected)
+
+
+def test_config_comes_from_the_metadata(gguf_dir):
+    shape = LlamaShape()
+    tied = write_llama_gguf(gguf_dir / "tied.gguf", Q.F32, tied=True)
+    config = load_model_config(resolve_model_path(str(tied)))
+    assert (config.architecture, config.hidden_size, config.num_layers, config.num_heads,
+            config.num_kv_heads, config.head_dim, config.intermediate_size) == (
+        "LlamaForCausalLM", shape.hidden, shape.layers, shape.heads, shape.kv_heads,
+        shape.hidden // shape.heads, shape.intermediate)
+    assert config.tie_word_embeddings and config.max_position_embeddings == shape.context
+    assert config.rope_theta == 10000.0 and config.vocab_size == 512
+    untied = write_llama_gguf(gguf_dir / "untied.gguf", Q.F32, tied=False)
+    assert not load_model_config(untied).tie_word_embeddings
+
+
+def test_tokenizer_and_chat_template_equal_transformers_and_are_cached(gguf_dir, tmp_path,
+                                                                      monkeypatch):
+    import transformers
+
+    monkeypatch.setenv("KVIK_CACHE_DIR", str(tmp_path))
+
+    path = write_llama_gguf(gguf_dir / "tok.gguf", Q.F32)
+    reference = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    ours = Tokenizer.from_pretrained(str(path))
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Name the moons of Mars, please!"}]
+    text = ours.apply_chat_template(messages)
+    assert text == reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert "<|im_start|>assistant\n" in text
+    assert ours.encode(text) == reference.encode(text)
+    assert ours.eos_token_id == reference.eos_token_id == reference.convert_tokens_to_ids("<|im_end|>")
+    cached = list((tmp_path / "gguf-tokenizers").iterdir())
+    assert len(cached) == 1 and cached[0].name.startswith("tok-")
+    assert Tokenizer.from_pretrained(str(path)).encode(text) == reference.encode(text)  # from the cache
+
+
+@torch.no_grad()
+def test_greedy_output_equals_transformers_on_the_same_file(gguf_dir):
+    path = write_llama_gguf(gguf_dir / "mixed.gguf", Q.Q8_0, tied=False, seed=3, types=MIXED)
+    llm = LLM(str(path), show_progress=False)
+    hf = hf_from_gguf(path)
+    prompts = ["The moon rose over the quiet hills", "Questions and answers", "Once upon a time"]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for prompt in prompts:
+        ids = llm.engine.tokenizer.encode(prompt)
+        ours = llm.generate([ids], params)[0].outputs[0].token_ids
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12,
+                          do_sample=False, pad_token_id=0)
+        assert ours == out[0, len(ids):].tolist(), prompt
+
+
+def test_unsupported_architecture_is_a_clear_error(gguf_dir):
+    path = gguf_dir / "gpt2.gguf"
+    writer = gguf.GGUFWriter(str(path), "gpt2")
+    writer.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ConfigError, match="architecture 'gpt2'.*llama"):
+        load_model_config(path)
