@@ -40,7 +40,7 @@ async def execute_line(state: ServerState, url: str, body: dict[str, Any], sched
             prepared = await prepare_chat(state, chat_body)
             prompt = prepared.prompts[0]
             stream = tracked_generate(state, prepared.engine, prompt.request, prompt.text, prompt.record)
-            return chat._response(chat_body, prepared, await chat._collect(stream))
+            return ChatServing.completion_body(chat_body, prepared, await ChatServing.collect(stream))
         completion_body = _validate(CompletionRequest, fields)
         prepared = await prepare_completion(state, completion_body)
         streams = [tracked_generate(state, prepared.engine, p.request, p.text, p.record) for p in prepared.prompts]

@@ -162,10 +162,21 @@ class BatchRunner:
         except KvikError as exc:
             if exc.http_status == 503 or exc.http_status == 429:
                 return  # not serving right now: not recorded, runs again in the next pass
-            status = exc.http_status
             record = {"id": request_id, "custom_id": line.custom_id,
-                      "response": {"status_code": status, "request_id": request_id,
+                      "response": {"status_code": exc.http_status, "request_id": request_id,
                                    "body": error_body(exc.message, exc.error_type, exc.param, exc.code)},
+                      "error": None}
+            await self.store.run(self.store.record_result, batch["id"], LineResult(line.index, line.custom_id,
+                                                                                   False, record))
+            return
+        except Exception:
+            # A bug, not the line's fault: recorded as the endpoint's 500, so the batch still ends
+            # (an unrecorded line would be run again on every pass, forever).
+            logger.exception("batch %s line %s (%s) failed", batch["id"], line.index, line.custom_id)
+            record = {"id": request_id, "custom_id": line.custom_id,
+                      "response": {"status_code": 500, "request_id": request_id,
+                                   "body": error_body("internal error running this line; see the server log",
+                                                      "server_error", None, "internal_error")},
                       "error": None}
             await self.store.run(self.store.record_result, batch["id"], LineResult(line.index, line.custom_id,
                                                                                    False, record))
