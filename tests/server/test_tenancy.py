@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import httpx
 import pytest
@@ -57,7 +58,15 @@ def test_an_interactive_request_overtakes_queued_background_work_only_with_prior
     background = [threading.Thread(target=send, args=(f"bg{i}", 10, 400)) for i in range(8)]
     for thread in background:
         thread.start()
-    while waiting(server) < 6:  # two run, six wait
+    # Two run, six wait. This assumes the client submits all eight before the first two finish
+    # (~2 s of engine time on the tiny model); on a heavily loaded machine it may not, and the queue
+    # never forms: fail at once saying so, rather than spin until the suite's timeout.
+    deadline, peak = time.monotonic() + 60, 0
+    while (now_waiting := waiting(server)) < 6:
+        peak = max(peak, now_waiting)
+        assert time.monotonic() < deadline and len(finished) < 2, (
+            f"the background queue never reached 6 waiting (peak {peak:.0f}, {len(finished)} finished): "
+            "the client sent slower than the engine served")
         threading.Event().wait(0.02)
     interactive = threading.Thread(target=send, args=("chat", -10, 4))
     interactive.start()
