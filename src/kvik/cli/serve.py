@@ -6,7 +6,7 @@ import argparse
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from kvik.core.config import EngineArgs
+    from kvik.core.config import EngineArgs, parse_bytes
     from kvik.server.reasoning import CHOICES as REASONING_PARSERS
     from kvik.server.tool_parsers import CHOICES as TOOL_PARSERS
 
@@ -64,7 +64,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     server.add_argument("--log-prompts", action="store_true",
                         help="include prompt text in the per-request log lines (off by default)")
     server.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
-    EngineArgs.add_cli_args(parser)
+    server.add_argument("--priority-tiers", default="interactive=-10,standard=0,background=10",
+                        help="names of `priority` values (lower is served first) for metrics labels; "
+                             "the Batch API runs in the 'background' tier (default: %(default)s)")
+    batches = parser.add_argument_group("Batch API (/v1/files, /v1/batches)")
+    batches.add_argument("--batch-db", default=None, metavar="PATH",
+                         help="SQLite database of files, batches and results; unfinished batches resume "
+                              "from it on start (default: $XDG_DATA_HOME/kvik/batches-PORT.db, created on "
+                              "first use; 'none' turns the Batch API off)")
+    batches.add_argument("--batch-max-file-bytes", type=parse_bytes, default=100 * 2**20,
+                         help="largest batch input file (default 100 MiB)")
+    batches.add_argument("--batch-max-requests", type=int, default=50_000, help="requests per batch file")
+    batches.add_argument("--batch-concurrency", type=int, default=None,
+                         help="batch requests in the engine at once, all batches together "
+                              "(default: --max-num-seqs)")
+    several = parser.add_argument_group("several models (--model NAME=DIR, repeated)")
+    several.add_argument("--model-memory-budget", type=parse_bytes, default=None,
+                         help="memory for the loaded models together (weights + KV cache); the least "
+                              "recently used idle model is unloaded to fit another (default: unbounded)")
+    several.add_argument("--max-loaded-models", type=int, default=None, help="models loaded at once")
+    several.add_argument("--model-load-timeout", type=float, default=300.0,
+                         help="seconds a request waits for its model to load (503 after)")
+    EngineArgs.add_cli_args(parser, several_models=True)
     parser.set_defaults(func=run)
 
 
@@ -75,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
     from kvik.cli.demo_model import default_model
     from kvik.core.config import EngineArgs
     from kvik.core.errors import ConfigError
+    from kvik.core.tiers import parse_tiers
     from kvik.engine.preprocess_pool import PreprocessConfig
     from kvik.server.launcher import run_server
     from kvik.server.state import ServerConfig, ServerState
@@ -88,9 +110,25 @@ def run(args: argparse.Namespace) -> int:
     for flag in ("tokenizer_timeout", "body_read_timeout", "header_timeout"):
         if not getattr(args, flag) > 0:
             raise ConfigError(f"--{flag.replace('_', '-')}: must be > 0, got {getattr(args, flag)}")
+    entries = _model_entries(args.model or [])
+    several = len(entries) > 1
+    if several and entries[0][0] is None and args.served_model_name and len(args.served_model_name) == 1:
+        entries[0] = (args.served_model_name[0], entries[0][1])  # --model DIR --served-model-name NAME
+        args.served_model_name = None
+    if several and not all(name for name, _ in entries):
+        raise ConfigError("--model: to serve several models name each one: --model NAME=DIR --model NAME2=DIR2")
+    if several and args.served_model_name:
+        raise ConfigError("--served-model-name: with several models the names come from --model NAME=DIR")
+    if several and len({name for name, _ in entries}) != len(entries):
+        raise ConfigError("--model: two models have the same name")
+    first_name, args.model = entries[0] if entries else (None, None)
     default = None if args.model else default_model()
     engine_args = EngineArgs.from_cli_args(args, default_model=args.model or default.path)
-    names = args.served_model_name or [args.model or default.served_name]
+    if several:
+        names = [name for name, _ in entries]
+    else:
+        names = args.served_model_name or [first_name or args.model or default.served_name]
+    preprocess = PreprocessConfig(workers=args.tokenizer_workers, timeout=args.tokenizer_timeout)
     config = ServerConfig(served_model_names=names, api_key=args.api_key or os.environ.get("KVIK_API_KEY"),
                           max_waiting=args.max_waiting, drain_timeout=args.drain_timeout,
                           max_body_bytes=args.max_body_bytes, body_read_timeout=args.body_read_timeout,
@@ -98,10 +136,71 @@ def run(args: argparse.Namespace) -> int:
                           log_prompts=args.log_prompts, max_num_seqs=engine_args.max_num_seqs,
                           trust_request_chat_template=args.trust_request_chat_template,
                           tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-                          responses_store=args.responses_store or default_responses_store())
-    preprocess = PreprocessConfig(workers=args.tokenizer_workers, timeout=args.tokenizer_timeout)
-    return run_server(engine_args, ServerState(config), args.host, args.port, args.log_level,
+                          responses_store=args.responses_store or default_responses_store(),
+                          tiers=parse_tiers(args.priority_tiers), batch=_batch_config(args, engine_args))
+    state = ServerState(config)
+    if several:
+        state.models = _model_pool(args, engine_args, entries, preprocess)
+    return run_server(engine_args, state, args.host, args.port, args.log_level,
                       engine_in_thread=args.engine_in_thread, preprocess=preprocess)
+
+
+def _model_entries(values: list[str]) -> list[tuple[str | None, str]]:
+    """`--model` values as (name, path): NAME=DIR names a model; a plain path (or hub id) does not."""
+    import os
+
+    entries = []
+    for value in values:
+        name, sep, path = value.partition("=")
+        if sep and name and path and not os.path.exists(value):
+            entries.append((name, path))
+        else:
+            entries.append((None, value))
+    return entries
+
+
+def _batch_config(args: argparse.Namespace, engine_args):  # -> BatchConfig
+    import os
+    from pathlib import Path
+
+    from kvik.core.errors import ConfigError
+    from kvik.server.batches.config import BatchConfig
+
+    if args.batch_max_requests < 1 or (args.batch_concurrency is not None and args.batch_concurrency < 1):
+        raise ConfigError("--batch-max-requests and --batch-concurrency: must be at least 1")
+    if args.batch_db == "none":
+        path = None
+    elif args.batch_db is not None:
+        path = Path(args.batch_db).expanduser().resolve()
+    else:
+        data_home = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
+        path = data_home / "kvik" / f"batches-{args.port}.db"
+    return BatchConfig(db_path=path, max_file_bytes=args.batch_max_file_bytes, max_lines=args.batch_max_requests,
+                       concurrency=args.batch_concurrency or engine_args.max_num_seqs)
+
+
+def _model_pool(args: argparse.Namespace, engine_args, entries, preprocess):  # -> ModelPool
+    from dataclasses import replace
+
+    from kvik.core.errors import ConfigError
+    from kvik.server.model_footprint import estimate_footprint
+    from kvik.server.model_pool import ModelPool, ModelSpec, PoolConfig
+
+    if args.engine_in_thread:
+        raise ConfigError("--engine-in-thread: not with several models (each model has its own engine process)")
+    if args.max_loaded_models is not None and args.max_loaded_models < 1:
+        raise ConfigError("--max-loaded-models: must be at least 1")
+    # Each model's engine would otherwise size its KV cache from all free memory, as if alone.
+    kv_memory = engine_args.kv_cache_memory
+    if kv_memory is None and engine_args.kv_cache_fraction is None:
+        kv_memory = 256 * 2**20
+    specs = []
+    for name, path in entries:
+        model_args = replace(engine_args, model=path, kv_cache_memory=kv_memory)
+        specs.append(ModelSpec(name, model_args, estimate_footprint(model_args)))
+    return ModelPool(specs, PoolConfig(memory_budget=args.model_memory_budget, max_loaded=args.max_loaded_models,
+                                       load_timeout=args.model_load_timeout, drain_timeout=args.drain_timeout,
+                                       preprocess=preprocess))
 
 
 def default_responses_store() -> str:

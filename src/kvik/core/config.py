@@ -21,6 +21,7 @@ QUANTIZATION_GROUP_SIZES = (32, 64, 128)
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8")
 SPECULATIVE_METHODS = ("ngram", "draft")
 MAX_SPECULATIVE_TOKENS = 16
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass(slots=True)
@@ -55,6 +56,8 @@ class EngineArgs:
     prompt_lookup_min: int = 2  # n-gram sizes the lookup tries, longest first
     prompt_lookup_max: int = 4
     speculative_adaptive: bool = True  # False: always propose num_speculative_tokens
+    # fcfs: arrival order. priority: requests' `priority` tiers, then fair share between tenants.
+    scheduling_policy: str = "priority"
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_memory, str):  # the Python API takes the CLI's sizes too
@@ -100,6 +103,9 @@ class EngineArgs:
                 raise ConfigError(f"{name}: must be at least 1, got {value}")
         if self.kv_cache_fraction is not None and not 0 < self.kv_cache_fraction <= 1:
             raise ConfigError(f"kv_cache_fraction: must be in (0, 1], got {self.kv_cache_fraction}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ConfigError(f"scheduling_policy: {self.scheduling_policy!r} is not one of "
+                              f"{', '.join(SCHEDULING_POLICIES)}")
         if self.kv_cache_memory is not None and self.kv_cache_fraction is not None:
             raise ConfigError("kv_cache_memory and kv_cache_fraction: give one, not both")
         self._validate_speculative()
@@ -132,11 +138,16 @@ class EngineArgs:
     # -- command-line integration, shared by `kvik serve`, `kvik generate` and `kvik bench` --
 
     @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser, *, model_required: bool = False) -> None:
+    def add_cli_args(parser: argparse.ArgumentParser, *, model_required: bool = False,
+                     several_models: bool = False) -> None:
         group = parser.add_argument_group("engine")
-        group.add_argument("--model", required=model_required, default=None,
-                           help="model directory in HF format (GPTQ/AWQ included), a .gguf file, "
-                                "or a hub id to download")
+        model_help = "model directory in HF format (GPTQ/AWQ included), a .gguf file, or a hub id to download"
+        if several_models:  # `kvik serve`: --model NAME=PATH, repeated, serves several models
+            group.add_argument("--model", required=model_required, default=None, action="append",
+                               help=model_help + "; repeat as --model NAME=PATH to serve several models, "
+                                                 "loaded on demand")
+        else:
+            group.add_argument("--model", required=model_required, default=None, help=model_help)
         group.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
         group.add_argument("--revision", default=None, help="hub revision for a hub id")
         group.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
@@ -189,6 +200,10 @@ class EngineArgs:
         spec.add_argument("--no-speculative-adaptive", dest="speculative_adaptive", action="store_false",
                           help="always propose --num-speculative-tokens drafts instead of adapting k "
                                "to each sequence's acceptance rate (and pausing when it is low)")
+        group.add_argument("--scheduling-policy", default="priority", choices=SCHEDULING_POLICIES,
+                           help="priority (default): requests' `priority` first (lower is served "
+                                "first; better tiers preempt worse ones), then fair share of tokens "
+                                "between tenants; fcfs: arrival order only")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, default_model: str | None = None) -> EngineArgs:
@@ -207,7 +222,7 @@ _FIELD_TYPES: dict[str, Any] = {
     "enable_chunked_prefill": bool, "threads": int, "show_progress": bool, "quantization": str,
     "quantization_group_size": int, "quantization_zero_point": bool, "kv_cache_dtype": str,
     "speculative_method": str, "num_speculative_tokens": int, "speculative_model": str,
-    "prompt_lookup_min": int, "prompt_lookup_max": int, "speculative_adaptive": bool,
+    "prompt_lookup_min": int, "prompt_lookup_max": int, "speculative_adaptive": bool, "scheduling_policy": str,
 }
 _TYPE_NAMES = {str: "a string", int: "an integer", bool: "true or false"}
 

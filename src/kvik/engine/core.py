@@ -37,6 +37,7 @@ from kvik.engine.sampler import Sampler, prompt_logprobs_for
 from kvik.engine.scheduler import SampledTokens, Scheduler
 from kvik.engine.spec_decode import SpecDecoder, build_spec_decoder
 from kvik.engine.structured.matcher import GrammarBackend
+from kvik.engine.scheduling_policy import make_policy
 from kvik.model.loader import load_model, load_model_config, resolve_model_path
 from kvik.model.models.registry import model_class as architecture_class
 from kvik.model.pooling import LAST, label_names, load_pooling_config
@@ -94,6 +95,7 @@ class EngineCore:
             dtype=self.dtype, max_model_len=self.max_model_len,
             max_num_batched_tokens=self.max_num_batched_tokens, target_weight_bytes=self.weight_bytes)
 
+        self.kv_cache_bytes = 0  # set by _num_kv_blocks; an encoder has no KV cache
         num_blocks = self._num_kv_blocks() if self.uses_kv_cache else 0
         self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.runner = ModelRunner(self.model, num_blocks=num_blocks, block_size=args.block_size,
@@ -104,7 +106,8 @@ class EngineCore:
         self.eos_token_ids = list(dict.fromkeys(cfg.eos_token_ids + spec_eos))
         self.scheduler = Scheduler(self.kv, args.max_num_seqs, self.max_num_batched_tokens,
                                    args.enable_chunked_prefill, eos_token_ids=frozenset(self.eos_token_ids),
-                                   max_model_len=self.max_model_len, uses_kv_cache=self.uses_kv_cache)
+                                   max_model_len=self.max_model_len, uses_kv_cache=self.uses_kv_cache,
+                                   policy=make_policy(args.scheduling_policy))
         # Structured outputs: llguidance's tokenizer view is built in the background now, so no
         # request waits for it and requests without constraints never touch it.
         self.grammars = GrammarBackend(self.tokenizer_spec.backend_json, cfg.vocab_size,
@@ -178,6 +181,7 @@ class EngineCore:
             num_blocks = cap
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", num_blocks, args.block_size,
                     num_blocks * per_block / 2**20)
+        self.kv_cache_bytes = num_blocks * per_block
         return num_blocks
 
     def info(self) -> EngineInfo:
@@ -188,7 +192,8 @@ class EngineCore:
             block_size=self.args.block_size, max_num_seqs=self.args.max_num_seqs,
             device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
             weight_bytes=self.weight_bytes, tokenizer=self.tokenizer_spec, tasks=list(self.tasks),
-            pooling=self._pooling_info(), precision=self.precision.describe())
+            pooling=self._pooling_info(), precision=self.precision.describe(),
+            kv_cache_bytes=self.kv_cache_bytes)
 
     def _pooling_info(self) -> PoolingInfo | None:
         if not any(task in self.tasks for task in ("embed", "classify")):
@@ -235,7 +240,8 @@ class EngineCore:
         constraint = params.structured_outputs
         group = RequestGroup(request_id, list(token_ids), params, request.arrival_time,
                              cache_salt=request.cache_salt.encode() if request.cache_salt else b"",
-                             salt_from_token=request.salt_from_token)
+                             salt_from_token=request.salt_from_token, priority=request.priority,
+                             tenant=request.tenant, tenant_weight=request.tenant_weight)
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None]
         for index in range(params.n):
@@ -265,7 +271,8 @@ class EngineCore:
         params = request.params.clone(n=1)
         group = RequestGroup(request.request_id, token_ids, params, request.arrival_time,
                              cache_salt=request.cache_salt.encode() if request.cache_salt else b"",
-                             salt_from_token=request.salt_from_token)
+                             salt_from_token=request.salt_from_token, priority=request.priority,
+                             tenant=request.tenant, tenant_weight=request.tenant_weight)
         sequence = Request(
             seq_id=f"{request.request_id}#0", group=group, index=0, params=params, max_tokens=0,
             all_token_ids=token_ids, num_prompt_tokens=len(token_ids),
@@ -368,6 +375,8 @@ class EngineCore:
             num_free_blocks=self.kv.num_free_blocks(), prefix_cache_queries=self.kv.prefix_cache_queries,
             prefix_cache_hits=self.kv.prefix_cache_hits, num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens=self.prompt_tokens_total, generation_tokens=self.generation_tokens_total,
+            preemptions_by_priority=dict(self.scheduler.num_preemptions_by_priority),
+            waiting_by_priority=self._waiting_by_priority(),
         )
         if self.spec is not None:
             spec = self.spec.stats
@@ -376,6 +385,12 @@ class EngineCore:
             stats.spec_decode_num_accepted_tokens = spec.num_accepted_tokens
             stats.spec_decode_num_accepted_tokens_per_pos = list(spec.accepted_per_position)
         return stats
+
+    def _waiting_by_priority(self) -> dict[int, int]:
+        counts: dict[int, int] = {}
+        for request in self.scheduler.waiting:
+            counts[request.group.priority] = counts.get(request.group.priority, 0) + 1
+        return counts
 
 
 def float32_bytes(vector: torch.Tensor) -> bytes:

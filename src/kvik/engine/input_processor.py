@@ -92,9 +92,10 @@ class InputProcessor:
 
     def make_request(self, request_id: str, token_ids: list[int], params: SamplingParams,
                      arrival_time: float, *, max_tokens: int | None = None, cache_salt: str | None = None,
-                     salt_from_token: int = 0, where: str = "prompt") -> EngineCoreRequest:
+                     salt_from_token: int = 0, where: str = "prompt", priority: int = 0,
+                     tenant: str = "", tenant_weight: float = 1.0) -> EngineCoreRequest:
         """The core's request for validated token ids. `max_tokens` defaults to the params' value
-        capped to the context."""
+        capped to the context. `priority` (lower first) and `tenant` (fair share) steer scheduling."""
         self.check_task("generate")
         self.validate_prompt(token_ids, where)
         constraint = params.structured_outputs
@@ -107,17 +108,19 @@ class InputProcessor:
         if max_tokens is None:
             max_tokens = self.resolve_max_tokens(params.max_tokens, len(token_ids), where, strict=False)
         return EngineCoreRequest(request_id, list(token_ids), params, max_tokens, arrival_time,
-                                 cache_salt=cache_salt, salt_from_token=salt_from_token)
+                                 cache_salt=cache_salt, salt_from_token=salt_from_token, priority=priority,
+                                 tenant=tenant, tenant_weight=tenant_weight)
 
     def make_pooling_request(self, request_id: str, token_ids: list[int], pooling: PoolingParams,
-                             arrival_time: float, *, where: str = "input") -> EngineCoreRequest:
-        """The core's request to embed or classify validated token ids."""
+                             arrival_time: float, *, where: str = "input", priority: int = 0,
+                             tenant: str = "", tenant_weight: float = 1.0) -> EngineCoreRequest:
+        """The core's request to embed or classify validated token ids, scheduled like `make_request`."""
         self.check_task(pooling.task)
         if pooling.dimensions is not None:
             self.check_dimensions(pooling.dimensions)
         self.validate_prompt(token_ids, where, pooling=True)
         return EngineCoreRequest(request_id, list(token_ids), _POOLING_SAMPLING, 0, arrival_time,
-                                 pooling=pooling)
+                                 pooling=pooling, priority=priority, tenant=tenant, tenant_weight=tenant_weight)
 
     def check_dimensions(self, dimensions: int) -> None:
         """Fewer dimensions only where the model was trained for it (Matryoshka): elsewhere the

@@ -33,6 +33,11 @@ class EngineCoreRequest(msgspec.Struct, tag="add", omit_defaults=True):
     # them; blocks inside the leading system prompt stay shared.
     cache_salt: str | None = None
     salt_from_token: int = 0
+    # Scheduling (`kvik.engine.scheduling_policy`): vLLM's priority (lower is served first), and the
+    # tenant whose fair share of tokens this request counts against, with the tenant's weight.
+    priority: int = 0
+    tenant: str = ""
+    tenant_weight: float = 1.0
     # A pooling request (embed, classify): the prompt is computed once and its pooled hidden state
     # comes back instead of tokens; `params` and `max_tokens` are then unused.
     pooling: PoolingParams | None = None
@@ -107,6 +112,9 @@ class EngineStats(msgspec.Struct):
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
+    # Per priority value (tiers): sequences preempted, and sequences waiting now.
+    preemptions_by_priority: dict[int, int] = msgspec.field(default_factory=dict)
+    waiting_by_priority: dict[int, int] = msgspec.field(default_factory=dict)
 
 
 class UtilityResult(msgspec.Struct, array_like=True):
@@ -149,6 +157,7 @@ class EngineInfo(msgspec.Struct, tag="info"):
     dtype: str
     weight_bytes: int
     tokenizer: TokenizerSpec
+    kv_cache_bytes: int = 0  # the KV cache's allocation (weights + this = the model's footprint)
     tasks: list[str] = msgspec.field(default_factory=lambda: ["generate"])  # see kvik.core.pooling_params
     pooling: PoolingInfo | None = None
     # What the weights, activations and KV cache are stored in (kvik.model.quant.Precision.describe).

@@ -55,6 +55,10 @@ class RequestGroup:
     # Extra bytes mixed into the hash of every prefix-cache block ending after `salt_from_token`.
     cache_salt: bytes = b""
     salt_from_token: int = 0
+    # Scheduling: priority tier (lower first) and the tenant whose fair share it counts against.
+    priority: int = 0
+    tenant: str = ""
+    tenant_weight: float = 1.0
 
     @property
     def finished(self) -> bool:

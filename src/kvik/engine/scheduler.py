@@ -2,14 +2,17 @@
 
 There is no prefill phase and no decode phase: every step hands each sequence up to
 `num_tokens - num_computed_tokens` new tokens from a shared budget (`max_num_batched_tokens`), running
-sequences first, then waiting ones in arrival order (FCFS) while `max_num_seqs` allows. A long prompt
+sequences first, then waiting ones in the policy's order while `max_num_seqs` allows. A long prompt
 takes what is left of the budget and continues next step (chunked prefill). When blocks run out, the
-most recently arrived running sequence is preempted: its blocks are freed and it goes back to the
-front of the waiting queue to be recomputed later (its sampled tokens are kept, so no token changes).
+last running sequence in the policy's order is preempted: its blocks are freed and it goes back to
+the waiting queue at its arrival position to be recomputed later (its sampled tokens are kept, so no
+token changes).
 
-The queue policy is one method (`_admission_order`), kept separate so priorities can replace FCFS;
-`ScheduledChunk` carries the token count and the block ids per sequence, so the model runner never
-reads the KV manager; LoRA or grammar state would ride along there too.
+The queue policy (`kvik.engine.scheduling_policy`: FCFS, or priority tiers with fair share between
+tenants) decides the admission order, the preemption order, and whether a waiting sequence may
+displace a running one (preempt it for a slot or blocks, or defer its chunk for budget); the
+scheduler only asks it at those points and reports tokens served to it. `ScheduledChunk` carries
+the token count and the block ids per sequence, so the model runner never reads the KV manager.
 
 Speculative decoding adds draft tokens to a running sequence (`Request.spec_token_ids`, proposed by
 `kvik.engine.spec_decode` after the previous step): they are scheduled after the known tokens and
@@ -34,12 +37,14 @@ all (`uses_kv_cache=False`): nothing is allocated for its requests.
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from kvik.engine.kv_manager import KVCacheManager
 from kvik.engine.messages import EngineCoreOutput, TokenLogprobs
 from kvik.engine.request import Request, RequestStatus, check_stop
+from kvik.engine.scheduling_policy import FcfsPolicy
 
 
 @dataclass(slots=True)
@@ -90,9 +95,11 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True, *, eos_token_ids: frozenset[int] = frozenset(),
-                 max_model_len: int = 2**31, uses_kv_cache: bool = True) -> None:
+                 max_model_len: int = 2**31, uses_kv_cache: bool = True,
+                 policy: FcfsPolicy | None = None) -> None:
         self.kv = kv
         self.uses_kv_cache = uses_kv_cache
+        self.policy = policy or FcfsPolicy()
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -101,9 +108,11 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_preemptions_by_priority: Counter[int] = Counter()
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
+        self.policy.on_add(request)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -114,6 +123,7 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        self.running.sort(key=self.policy.running_key)  # the last is the first to give way
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -137,8 +147,6 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         for request in self._admission_order():
-            if budget <= 0 or len(self.running) >= self.max_num_seqs:
-                return
             leader = request.wait_for_prompt_of
             if leader is not None and not self._prompt_computed(leader):
                 continue  # a sibling of an n>1 request: admitted once the prompt's blocks are cached
@@ -147,16 +155,22 @@ class Scheduler:
             hit = (self.kv.find_cached_prefix(request)
                    if request.num_computed_tokens == 0 and not whole and self.uses_kv_cache else None)
             hit_tokens = hit.num_blocks * self.kv.block_size if hit else 0
-            num_new = request.num_tokens - request.num_computed_tokens - hit_tokens
-            if num_new > budget and (whole or not self.enable_chunked_prefill):
-                return
-            num_new = min(num_new, budget)
-            if self.uses_kv_cache and not self.kv.allocate_slots(request, num_new, hit):
-                return  # FCFS: nobody overtakes the head of the queue for blocks
+            num_wanted = request.num_tokens - request.num_computed_tokens - hit_tokens
+            room = self._make_room(request, out, budget, num_wanted, chunkable=not whole)
+            if room is None:
+                return  # nobody overtakes the head of the queue
+            budget = room
+            num_new = min(num_wanted, budget)
+            while self.uses_kv_cache and not self.kv.allocate_slots(request, num_new, hit):
+                freed = self._preempt_for(request, out)
+                if freed is None:
+                    return  # nobody overtakes the head of the queue for blocks
+                budget += freed
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = hit_tokens
                 if self.uses_kv_cache:
                     self.kv.record_prefix_query(request.num_tokens, hit_tokens)
+            self.policy.on_admit(request, max(0, request.num_prompt_tokens - hit_tokens))
             request.num_computed_tokens += hit_tokens
             self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
@@ -165,9 +179,57 @@ class Scheduler:
                                              self.kv.block_ids(request)))
             budget -= num_new
 
-    def _admission_order(self) -> list[Request]:
-        """FCFS. Preempted sequences were put back at the front, in arrival order."""
-        return list(self.waiting)
+    def _admission_order(self) -> Iterator[Request]:
+        """The policy's order; lazily, since admitting one request may change who is next."""
+        return self.policy.admission_order(self.waiting)
+
+    # -- displacement: a waiting sequence taking the place of running ones the policy ranks lower --
+
+    def _make_room(self, request: Request, out: SchedulerOutput, budget: int, num_wanted: int, *,
+                   chunkable: bool = True) -> int | None:
+        """A batch slot and token budget for `request`, displacing what the policy allows; the
+        budget it may use, or None if it cannot be admitted this step. A request that is not
+        `chunkable` (a pooling request that needs its whole prompt at once) needs all of it."""
+        while len(self.running) >= self.max_num_seqs:
+            freed = self._preempt_for(request, out)
+            if freed is None:
+                return None
+            budget += freed
+        if budget < num_wanted:
+            budget += self._defer_for(request, out, num_wanted - budget)
+        if budget <= 0 or (num_wanted > budget and not (chunkable and self.enable_chunked_prefill)):
+            return None
+        return budget
+
+    def _preempt_for(self, request: Request, out: SchedulerOutput) -> int | None:
+        """Preempt the running sequence the policy ranks last, if `request` may displace it; the
+        budget its chunk held this step, or None when nothing may be displaced."""
+        if not self.running:
+            return None
+        victim = max(self.running, key=self.policy.running_key)
+        if not self.policy.may_displace(request, victim):
+            return None
+        freed = self._unschedule(victim, out)
+        self._preempt(victim, out)
+        return freed
+
+    def _defer_for(self, request: Request, out: SchedulerOutput, needed: int) -> int:
+        """Push chunks of running sequences `request` may displace to the next step (they keep their
+        blocks), lowest ranked first, until `needed` tokens of budget are free; the budget freed."""
+        freed = 0
+        for chunk in sorted(out.chunks, key=lambda c: self.policy.running_key(c.request), reverse=True):
+            if freed >= needed or not self.policy.may_displace(request, chunk.request):
+                break
+            freed += self._unschedule(chunk.request, out)
+        return freed
+
+    @staticmethod
+    def _unschedule(request: Request, out: SchedulerOutput) -> int:
+        for position, chunk in enumerate(out.chunks):
+            if chunk.request is request:
+                del out.chunks[position]
+                return chunk.num_new_tokens
+        return 0
 
     @staticmethod
     def _prompt_computed(leader: Request) -> bool:
@@ -186,9 +248,12 @@ class Scheduler:
         self.waiting.insert(position, request)
         out.preempted.append(request)
         self.num_preemptions += 1
+        self.num_preemptions_by_priority[request.group.priority] += 1
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Remove a sequence (finished or aborted) and free its blocks at once."""
+        if not request.status.finished:
+            self.policy.on_leave(request)
         request.status = status
         if request in self.running:
             self.running.remove(request)
@@ -246,6 +311,7 @@ class Scheduler:
                 stop = check_stop(request, token_id, self.eos_token_ids, self.max_model_len)
                 if stop is not None:
                     break  # tokens after a stop are dropped
+            self.policy.on_output(request, taken)
             # Valid KV now: the known tokens and the accepted drafts among the new ones; the last
             # new token is computed next step. Rejected drafts' slots are overwritten then.
             request.num_computed_tokens = num_known + taken - 1

@@ -16,7 +16,7 @@ from kvik.core.errors import InvalidRequestError, KvikError, NotFoundError
 from kvik.web.client_limits import ClientLimits, send_error
 from kvik.gateway.config import GatewayConfig
 from kvik.gateway.openapi import add_components
-from kvik.gateway.routes import admin, admin_console, conversations, openai, ops
+from kvik.gateway.routes import admin, admin_console, batches, conversations, openai, ops, scheduling
 from kvik.gateway.serving import ProxyService
 from kvik.gateway.state import GatewayState
 from kvik.protocol.errors import error_body, error_from_exception
@@ -45,6 +45,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.include_router(ops.router)
     app.include_router(admin_console.router)
     app.include_router(conversations.router)
+    app.include_router(scheduling.router)
+    app.include_router(batches.router)
     install_web(app, PageConfig(product="gateway", conversations="server", console=True))
     served = [name for model in config.models for name in (model.name, *model.aliases)]
     app.openapi = add_components(  # type: ignore[method-assign]

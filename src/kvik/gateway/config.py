@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from kvik.core.config_files import read_config_file
 from kvik.core.errors import ConfigError
+from kvik.core.tiers import DEFAULT_TIERS
 
 BALANCING_STRATEGIES = ("least_outstanding", "weighted_round_robin", "prefix_affinity")
 
@@ -222,6 +223,30 @@ class TenancyConfig(_Section):
     cache_salt_secret: str | None = None
 
 
+class SchedulingConfig(_Section):
+    # Tier names -> the `priority` the gateway sets on every request of a key in that tier (lower is
+    # served first; the server's tiers should use the same numbers). Keys without a tier get
+    # `default_tier`. The tenant the server shares capacity by is the key's id.
+    tiers: dict[str, int] = Field(default_factory=lambda: dict(DEFAULT_TIERS))
+    default_tier: str = "standard"
+    # Send `priority`, `tenant` and `tenant_weight` upstream; turn off when the replicas are not kvik
+    # servers (OpenAI's own API refuses fields it does not know).
+    send_fields: bool = True
+
+    @model_validator(mode="after")
+    def _default_known(self) -> SchedulingConfig:
+        if self.default_tier not in self.tiers:
+            raise ValueError(f"default_tier: {self.default_tier!r} is not one of the tiers "
+                             f"({', '.join(self.tiers)})")
+        return self
+
+
+class BatchesConfig(_Section):
+    # The kvik server that stores files and runs batches (/v1/files, /v1/batches) for every key;
+    # each key sees only its own.
+    upstream: ReplicaConfig
+
+
 class GatewayConfig(_Section):
     models: list[ModelConfig] = Field(min_length=1)
     auth: AuthConfig = Field(default_factory=AuthConfig)
@@ -234,6 +259,8 @@ class GatewayConfig(_Section):
     cache: CacheConfig = Field(default_factory=CacheConfig)
     guardrails: GuardrailsConfig = Field(default_factory=GuardrailsConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    scheduling: SchedulingConfig = Field(default_factory=SchedulingConfig)
+    batches: BatchesConfig | None = None
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     tenancy: TenancyConfig = Field(default_factory=TenancyConfig)
     host: str = "127.0.0.1"

@@ -1,7 +1,8 @@
 """The proxy pipeline for `/v1/chat/completions` and `/v1/completions`, top to bottom:
 
     authenticate -> parse -> route -> authorize -> reserve budget and TPM, count RPM -> guardrails
-    -> cache lookup -> upstream with failover -> relay -> settle tokens, cache store, usage row
+    -> scheduling fields from the key -> cache lookup -> upstream with failover -> relay
+    -> settle tokens, cache store, usage row
 
 Every refusal is a typed `KvikError` turned into the OpenAI error envelope in one place
 (`kvik.protocol.errors.error_from_exception`). Parsing, redaction, cache keys and encoding run off
@@ -37,6 +38,7 @@ from kvik.gateway.relay import CLIENT_LEFT, RelayResponse, StreamRelay, replay
 from kvik.gateway.replica import Outcome
 from kvik.gateway.request_body import CHAT, COMPLETIONS, Endpoint, parse_body, wants_usage_chunk
 from kvik.gateway.router import ModelPool
+from kvik.gateway.scheduling import SCHEDULING_FIELDS
 from kvik.gateway.sse import TokenUsage
 from kvik.gateway.state import GatewayState
 from kvik.gateway.tenancy import tenant_of
@@ -177,10 +179,12 @@ class ProxyService:
             except KvikError:
                 state.metrics.blocked.labels(pool.name).inc()
                 raise
-        return await state.cpu.run(size, self._encode, body, pool, log, headers)
+        assert log.principal is not None
+        scheduling = await state.scheduling.request_fields(log.principal)
+        return await state.cpu.run(size, self._encode, body, pool, log, headers, scheduling)
 
-    def _encode(self, body: dict[str, Any], pool: ModelPool, log: RequestLog,
-                headers: Mapping[str, str]) -> Prepared:
+    def _encode(self, body: dict[str, Any], pool: ModelPool, log: RequestLog, headers: Mapping[str, str],
+                scheduling: dict[str, Any]) -> Prepared:
         """The cache key, the routing context and the upstream payload: CPU work on the whole body."""
         config = self.state.config
         tenant = tenant_of(log.principal)
@@ -188,7 +192,9 @@ class ProxyService:
         if self.state.cache is not None and policy.directive(body, headers).write:
             scope = None if config.cache.share_across_tenants else tenant
             cache_key = policy.cache_key(log.endpoint.name, pool.name, body, tenant=scope)
-        upstream = {**body, "model": pool.upstream_model}
+        # Scheduling fields come from the key, never from the client (kvik.gateway.scheduling).
+        upstream = {name: value for name, value in body.items() if name not in SCHEDULING_FIELDS}
+        upstream.update(scheduling, model=pool.upstream_model)
         if log.stream and not wants_usage_chunk(body):
             # Ask for the usage chunk so TPM and usage rows count streamed tokens; the relay drops
             # it again, so the client sees the stream it asked for.

@@ -28,6 +28,7 @@ from kvik.gateway.ratelimit.redis import RedisCounters
 from kvik.gateway.retry_budget import RetryBudget
 from kvik.gateway.router import ModelRouter
 from kvik.gateway.storage.database import Database, open_database
+from kvik.gateway.scheduling import SchedulingStore
 from kvik.gateway.tenancy import CacheSalter
 from kvik.gateway.usage import UsageRecorder
 
@@ -51,6 +52,7 @@ class GatewayState:
     redis: Any | None  # redis.asyncio.Redis shared by the limiter and the cache
     cpu: CpuWorkers  # parsing, redaction and encoding of large bodies, off the event loop
     salter: CacheSalter | None  # per-tenant `cache_salt` sent upstream; None when turned off
+    scheduling: SchedulingStore  # each key's priority tier and fair-share weight
 
     @classmethod
     async def start(cls, config: GatewayConfig) -> GatewayState:
@@ -67,6 +69,8 @@ class GatewayState:
         counters: CounterBackend = RedisCounters(redis) if redis is not None else MemoryCounters()
         guardrails = config.guardrails
         auth = Authenticator(config.auth, keys)
+        # Prefix-cache salts and the tenants' pseudonyms for fair share, under one secret.
+        salter = CacheSalter(config.tenancy.cache_salt_secret)
         state = cls(
             config=config, metrics=metrics, router=router, client=client, db=db, keys=keys, auth=auth,
             limiter=RateLimiter(counters, config.limits, metrics),
@@ -79,7 +83,8 @@ class GatewayState:
                                 first_byte_s=config.timeouts.first_byte_s),
             redis=redis,
             cpu=CpuWorkers(),
-            salter=CacheSalter(config.tenancy.cache_salt_secret) if config.tenancy.cache_salt else None,
+            salter=salter if config.tenancy.cache_salt else None,
+            scheduling=SchedulingStore(db, config.scheduling, salter, config.auth.key_cache_ttl_s),
         )
         state.usage.start()
         state.prober.start()

@@ -28,7 +28,8 @@ def tenant_of(principal: Principal | None) -> str:
 
 
 class CacheSalter:
-    """`salt(tenant)`: 64 hex characters, stable for one secret."""
+    """`salt(tenant)`: 64 hex characters, stable for one secret. Also `pseudonym(tenant)`, the name
+    the replicas' fair-share scheduler knows the tenant by (`kvik.gateway.scheduling`)."""
 
     def __init__(self, secret: str | None) -> None:
         self._secret = secret.encode() if secret else secrets.token_bytes(32)
@@ -42,3 +43,8 @@ class CacheSalter:
             salt = self._salts[tenant] = hmac.new(self._secret, tenant.encode(errors="surrogatepass"),
                                                    hashlib.sha256).hexdigest()
         return salt
+
+    def pseudonym(self, tenant: str) -> str:
+        """`t-` and 16 hex characters: an HMAC of the tenant under the same secret, domain-separated
+        from the salt (knowing one tells nothing of the other)."""
+        return "t-" + self.salt("fair-share\0" + tenant)[:16]

@@ -22,7 +22,9 @@ from kvik import __version__
 from kvik.core.errors import AuthenticationError, InvalidRequestError, KvikError, RequestTooLargeError
 from kvik.core.memory import release_freed_memory
 from kvik.protocol.errors import error_body, error_from_exception
-from kvik.server.routes import generation, models, ops, pooling, responses_api, tokenize
+from kvik.server.batches.service import BatchService
+from kvik.server.model_pool import lease_scope
+from kvik.server.routes import batches, generation, models, ops, pooling, responses_api, tokenize
 from kvik.server.serving.chat import ChatServing
 from kvik.server.serving.completions import CompletionServing
 from kvik.server.serving.pooling import PoolingServing
@@ -56,16 +58,18 @@ class RequestGate:
             await self.app(scope, receive, send)
             return
         config = self.state.config
+        # Batch input files may be larger than a request (the file's own limit is checked on upload).
+        limit = max(config.max_body_bytes, config.batch.max_file_bytes + 2**16) \
+            if scope["path"] == "/v1/files" else config.max_body_bytes
         declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > config.max_body_bytes:
+        if declared is not None and declared.isdigit() and int(declared) > limit:
             await _send_error(send, RequestTooLargeError(
-                f"request body is {int(declared)} bytes; the limit is {config.max_body_bytes}"))
+                f"request body is {int(declared)} bytes; the limit is {limit}"))
             return
         self.state.request_started()
         try:
             try:
-                body = await asyncio.wait_for(_read_body(receive, config.max_body_bytes),
-                                              config.body_read_timeout)
+                body = await asyncio.wait_for(_read_body(receive, limit), config.body_read_timeout)
             except asyncio.TimeoutError:
                 await _send_error(send, _BodyTimeout(
                     f"the request body did not arrive within {config.body_read_timeout:.0f} s"))
@@ -75,7 +79,8 @@ class RequestGate:
                 return
             if body is None:  # the client left while sending
                 return
-            await self.app(scope, _replay(body, receive), send)
+            with lease_scope():  # models the request used stay loaded until its last byte is sent
+                await self.app(scope, _replay(body, receive), send)
             if len(body) > LARGE_BODY_BYTES:
                 del body
                 release_freed_memory()
@@ -166,6 +171,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.state.server = state
     app.state.chat = ChatServing(state)
     app.state.completions = CompletionServing(state)
+    app.state.batches = BatchService(state, state.config.batch)
     app.state.pooling = PoolingServing(state)
     app.state.responses = ResponsesServing(state)
     keyed = [Depends(check_api_key)]
@@ -174,6 +180,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(responses_api.router, dependencies=keyed)
     app.include_router(models.router, dependencies=keyed)
     app.include_router(tokenize.router, dependencies=keyed)
+    app.include_router(batches.router, dependencies=keyed)
     app.include_router(ops.router)
     install_web(app, PageConfig(product="server", conversations="browser"))
     app.add_middleware(RequestGate, state=state)

@@ -17,7 +17,7 @@ from types import FrameType
 import uvicorn
 
 from kvik.core.config import EngineArgs
-from kvik.core.errors import KvikError
+from kvik.core.errors import ConfigError, KvikError
 from kvik.engine.async_llm import AsyncLLM
 from kvik.engine.core_client import EngineStartError
 from kvik.engine.preprocess_pool import PreprocessConfig
@@ -47,16 +47,24 @@ class EngineServer(uvicorn.Server):
     async def serve(self, sockets=None) -> None:  # type: ignore[override]
         self.loop = asyncio.get_running_loop()
         starting = self.loop.create_task(self._start_engine())
+        batches = self.config.app.state.batches
+        await batches.start()  # batches left unfinished by the last run resume
         try:
             await super().serve(sockets)
         finally:
             starting.cancel()
+            await batches.stop()
             if self.state.engine is not None:
                 await self.state.engine.shutdown()
+            if self.state.models is not None:
+                await self.state.models.shutdown()
 
     async def _start_engine(self) -> None:
         state = self.state
         started = time.perf_counter()
+        if state.models is not None:
+            await self._start_pool()
+            return
         engine = AsyncLLM(self.engine_args, engine_in_thread=self.engine_in_thread, preprocess=self.preprocess)
         state.engine = engine
         engine.on_dead(self._engine_died)
@@ -83,6 +91,23 @@ class EngineServer(uvicorn.Server):
                     parsers.reasoning.name if parsers.reasoning else "none")
         logger.info("ready in %.1fs: %s, max_model_len %d, %d KV blocks", time.perf_counter() - started,
                     info.architecture, info.max_model_len, info.num_kv_blocks)
+
+    async def _start_pool(self) -> None:
+        """Several models: load the first now (so ready means something can be served); the others
+        load when a request names them."""
+        state, started = self.state, time.perf_counter()
+        first = state.models.names[0]
+        try:
+            await state.models.start([first])
+        except ConfigError as exc:
+            state.load_error = exc
+            logger.error("could not start the engine: %s", exc.message)
+            self.exit_code = 1
+            self.should_exit = True
+            return
+        state.ready = True
+        logger.info("ready in %.1fs: serving %s (%s loaded)", time.perf_counter() - started,
+                    ", ".join(state.models.names), first)
 
     def _engine_died(self, reason: str) -> None:
         logger.error("the engine died (%s): failing requests in flight and exiting with status 1", reason)

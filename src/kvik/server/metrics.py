@@ -3,16 +3,21 @@
 Per-request latencies are observed by the server as outputs reach it (what a client experiences);
 engine gauges and token counters are read from the engine's stats snapshot at scrape time. Each app
 has its own registry, so several servers in one process (tests) do not collide.
+
+Queue time, time to first token and tokens served carry a `tier` label (the priority tier's name,
+`kvik.core.tiers`; "other" for a priority no tier has), and so do preemptions and waiting sequences,
+which the engine counts per priority. With several models, each loaded model has its own series.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvik.core.tiers import DEFAULT_TIERS, tier_name
 from kvik.engine.messages import EngineStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -22,80 +27,125 @@ TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3
 
 
 class _EngineCollector(Collector):
-    def __init__(self, stats: Callable[[], EngineStats | None], model_name: str) -> None:
+    def __init__(self, stats: Callable[[], Iterable[tuple[str, EngineStats]]], tiers: dict[str, int]) -> None:
         self.stats = stats
-        self.model_name = model_name
+        self.tiers = tiers
 
     def collect(self) -> Iterator[Metric]:
-        stats = self.stats()
-        if stats is None:
+        snapshots = list(self.stats())
+        if not snapshots:
             return
         labels = ["model_name"]
 
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+        def gauge(name: str, doc: str, value: Callable[[EngineStats], float]) -> GaugeMetricFamily:
             family = GaugeMetricFamily(f"kvik:{name}", doc, labels=labels)
-            family.add_metric([self.model_name], value)
+            for model, stats in snapshots:
+                family.add_metric([model], value(stats))
             return family
 
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+        def counter(name: str, doc: str, value: Callable[[EngineStats], float]) -> CounterMetricFamily:
             family = CounterMetricFamily(f"kvik:{name}", doc, labels=labels)
-            family.add_metric([self.model_name], value)
+            for model, stats in snapshots:
+                family.add_metric([model], value(stats))
             return family
 
-        yield gauge("num_requests_running", "Sequences in the running batch.", stats.num_running)
-        yield gauge("num_requests_waiting", "Sequences waiting to be scheduled.", stats.num_waiting)
-        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).", stats.kv_cache_usage)
+        yield gauge("num_requests_running", "Sequences in the running batch.", lambda s: s.num_running)
+        yield gauge("num_requests_waiting", "Sequences waiting to be scheduled.", lambda s: s.num_waiting)
+        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).", lambda s: s.kv_cache_usage)
         yield gauge("kv_cache_free_blocks", "KV blocks free or holding evictable cached prefixes.",
-                    stats.num_free_blocks)
-        yield gauge("kv_cache_total_blocks", "KV blocks in the pool.", stats.num_blocks)
+                    lambda s: s.num_free_blocks)
+        yield gauge("kv_cache_total_blocks", "KV blocks in the pool.", lambda s: s.num_blocks)
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                      stats.prefix_cache_queries)
+                      lambda s: s.prefix_cache_queries)
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                      stats.prefix_cache_hits)
-        yield counter("prompt_tokens", "Prompt tokens admitted.", stats.prompt_tokens)
-        yield counter("generation_tokens", "Tokens generated.", stats.generation_tokens)
+                      lambda s: s.prefix_cache_hits)
+        yield counter("prompt_tokens", "Prompt tokens admitted.", lambda s: s.prompt_tokens)
+        yield counter("generation_tokens", "Tokens generated.", lambda s: s.generation_tokens)
         yield counter("num_preemptions", "Sequences preempted for lack of KV blocks.",
-                      stats.num_preemptions)
+                      lambda s: s.num_preemptions)
+        preempted = CounterMetricFamily("kvik:tier_preemptions", "Sequences preempted, by priority tier "
+                                        "(for blocks, or to make room for a better tier).",
+                                        labels=["model_name", "tier"])
+        waiting = GaugeMetricFamily("kvik:tier_requests_waiting", "Sequences waiting, by priority tier.",
+                                    labels=["model_name", "tier"])
+        for model, stats in snapshots:
+            for family, by_priority in ((preempted, stats.preemptions_by_priority),
+                                        (waiting, stats.waiting_by_priority)):
+                for tier, value in self._by_tier(by_priority).items():
+                    family.add_metric([model, tier], value)
+        yield preempted
+        yield waiting
         yield counter("spec_decode_num_drafts", "Speculative verifications (steps of one sequence "
-                      "with at least one draft token).", stats.spec_decode_num_drafts)
+                      "with at least one draft token).", lambda s: s.spec_decode_num_drafts)
         yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.",
-                      stats.spec_decode_num_draft_tokens)
+                      lambda s: s.spec_decode_num_draft_tokens)
         yield counter("spec_decode_num_accepted_tokens", "Draft tokens the target accepted.",
-                      stats.spec_decode_num_accepted_tokens)
+                      lambda s: s.spec_decode_num_accepted_tokens)
         per_position = CounterMetricFamily("kvik:spec_decode_num_accepted_tokens_per_pos",
                                            "Draft tokens accepted, by position in the draft (0 = first).",
                                            labels=["model_name", "position"])
-        for position, value in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
-            per_position.add_metric([self.model_name, str(position)], value)
+        for model, stats in snapshots:
+            for position, value in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
+                per_position.add_metric([model, str(position)], value)
         yield per_position
+
+    def _by_tier(self, by_priority: dict[int, int]) -> dict[str, int]:
+        totals = {name: 0 for name in self.tiers}
+        for priority, value in by_priority.items():
+            name = tier_name(priority, self.tiers)
+            totals[name] = totals.get(name, 0) + value
+        return totals
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats | None]) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], Iterable[tuple[str, EngineStats]]],
+                 tiers: dict[str, int] | None = None) -> None:
         self.registry = CollectorRegistry()
-        labels = ["model_name"]
-        self.model_name = model_name
+        self.model_name = model_name  # the default model: label of what is not about one model
+        self.tiers = tiers or dict(DEFAULT_TIERS)
+        labels, tiered = ["model_name"], ["model_name", "tier"]
 
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(f"kvik:{name}", doc, labels, buckets=buckets,
-                             registry=self.registry).labels(model_name)
+        def histogram(name: str, doc: str, buckets: tuple[float, ...], names: list[str]) -> Histogram:
+            return Histogram(f"kvik:{name}", doc, names, buckets=buckets, registry=self.registry)
 
-        self.time_to_first_token = histogram("time_to_first_token_seconds",
-                                             "Arrival to first output token.", LATENCY_BUCKETS)
-        self.inter_token_latency = histogram("inter_token_latency_seconds",
-                                             "Time between consecutive output tokens.", TOKEN_BUCKETS)
-        self.e2e_latency = histogram("e2e_request_latency_seconds", "Arrival to last token.",
-                                     LATENCY_BUCKETS)
-        self.queue_time = histogram("request_queue_time_seconds",
-                                    "Arrival to first scheduled in the engine.", LATENCY_BUCKETS)
+        self._ttft = histogram("time_to_first_token_seconds", "Arrival to first output token.",
+                               LATENCY_BUCKETS, tiered)
+        self._inter_token = histogram("inter_token_latency_seconds", "Time between consecutive output tokens.",
+                                      TOKEN_BUCKETS, labels)
+        self._e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.", LATENCY_BUCKETS, tiered)
+        self._queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled in the engine.",
+                                     LATENCY_BUCKETS, tiered)
+        self._tokens = Counter("kvik:tier_tokens", "Tokens served, by priority tier and kind "
+                               "(prompt or generation).", ["model_name", "tier", "kind"], registry=self.registry)
         self._success = Counter("kvik:request_success", "Finished choices by finish reason.",
                                 ["model_name", "finish_reason"], registry=self.registry)
         self._rejected = Counter("kvik:request_rejected", "Requests refused before reaching the engine.",
                                  ["model_name", "reason"], registry=self.registry)
-        self.registry.register(_EngineCollector(stats, model_name))
+        self.registry.register(_EngineCollector(stats, self.tiers))
 
-    def finished(self, finish_reason: str) -> None:
-        self._success.labels(self.model_name, finish_reason).inc()
+    def tier(self, priority: int) -> str:
+        return tier_name(priority, self.tiers)
+
+    def time_to_first_token(self, model: str, tier: str, seconds: float) -> None:
+        self._ttft.labels(model, tier).observe(seconds)
+
+    def inter_token_latency(self, model: str, seconds: float) -> None:
+        self._inter_token.labels(model).observe(seconds)
+
+    def e2e_latency(self, model: str, tier: str, seconds: float) -> None:
+        self._e2e.labels(model, tier).observe(seconds)
+
+    def queue_time(self, model: str, tier: str, seconds: float) -> None:
+        self._queue_time.labels(model, tier).observe(seconds)
+
+    def tokens(self, model: str, tier: str, prompt: int, generation: int) -> None:
+        if prompt:
+            self._tokens.labels(model, tier, "prompt").inc(prompt)
+        if generation:
+            self._tokens.labels(model, tier, "generation").inc(generation)
+
+    def finished(self, finish_reason: str, model: str | None = None) -> None:
+        self._success.labels(model or self.model_name, finish_reason).inc()
 
     def rejected(self, reason: str) -> None:
         self._rejected.labels(self.model_name, reason).inc()

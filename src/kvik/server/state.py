@@ -15,9 +15,12 @@ import time
 from dataclasses import dataclass, field
 
 from kvik.core.errors import InvalidRequestError, ModelNotFoundError, ServiceUnavailableError
+from kvik.core.tiers import DEFAULT_TIERS
 from kvik.engine.async_llm import AsyncLLM, EngineDeadError
 from kvik.engine.messages import EngineStats
+from kvik.server.batches.config import BatchConfig
 from kvik.server.metrics import ServerMetrics
+from kvik.server.model_pool import ModelPool
 from kvik.server.reasoning import ReasoningParser, resolve_reasoning_parser
 from kvik.server.tool_parsers import DEFAULT_PARSER, TokenVocabulary, ToolParser, resolve_tool_parser
 
@@ -38,6 +41,9 @@ class ServerConfig:
     trust_request_chat_template: bool = False  # let requests bring their own chat template
     tool_call_parser: str = "auto"  # a name in kvik.server.tool_parsers, "auto" or "none"
     reasoning_parser: str = "auto"  # a name in kvik.server.reasoning, "auto" or "none"
+    # Names of priority values, for metrics labels and the Batch API's background tier.
+    tiers: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_TIERS))
+    batch: BatchConfig = field(default_factory=lambda: BatchConfig(db_path=None))
     # SQLite file of stored Responses API responses (`:memory:`: kept only while the server runs).
     responses_store: str = ":memory:"
 
@@ -55,6 +61,7 @@ class OutputParsers:
 class ServerState:
     config: ServerConfig
     engine: AsyncLLM | None = None
+    models: ModelPool | None = None  # several models loaded on demand (then `engine` stays None)
     ready: bool = False
     draining: bool = False
     load_error: BaseException | None = None
@@ -66,14 +73,22 @@ class ServerState:
     parsers: OutputParsers | None = None
 
     def __post_init__(self) -> None:
-        self.metrics = ServerMetrics(self.config.served_model_names[0], self.engine_stats)
+        self.metrics = ServerMetrics(self.config.served_model_names[0], self.engine_stats, self.config.tiers)
 
     @property
     def model_name(self) -> str:
         return self.config.served_model_names[0]
 
-    def engine_stats(self) -> EngineStats | None:
-        return self.engine.stats() if self.engine is not None and self.ready else None
+    def engine_stats(self) -> list[tuple[str, EngineStats]]:
+        """The stats of every loaded model's engine, by served name."""
+        if self.models is not None:
+            return self.models.stats()
+        return [(self.model_name, self.engine.stats())] if self.engine is not None and self.ready else []
+
+    def served_name(self, engine: AsyncLLM) -> str:
+        """The name the model behind `engine` is served as (for metrics labels)."""
+        name = self.models.name_of(engine) if self.models is not None else None
+        return name or self.model_name
 
     @property
     def engine_dead(self) -> bool:
@@ -85,6 +100,26 @@ class ServerState:
         raise ModelNotFoundError(
             f"The model {requested!r} does not exist; this server serves "
             f"{', '.join(repr(n) for n in self.config.served_model_names)}", param="model")
+
+    async def engine_for(self, requested: str | None) -> tuple[AsyncLLM, str]:
+        """The engine serving the requested model (the default one when None) and the model's name.
+        With several models it loads the model if needed and leases it to the current request
+        (`kvik.server.model_pool.lease_scope`), so it is not unloaded while the request runs."""
+        if self.models is None:
+            engine = self.require_engine()
+            return engine, self.resolve_model(requested)
+        self._check_accepting()
+        name = self.resolve_model(requested)
+        lease = await self.models.acquire(name)
+        return lease.engine, name
+
+    def _check_accepting(self) -> None:
+        if self.draining:
+            raise ServiceUnavailableError("the server is shutting down; retry on another replica",
+                                          retry_after=5, code="draining")
+        if not self.ready:
+            raise ServiceUnavailableError("the server is still starting; retry shortly", retry_after=5,
+                                          code="loading")
 
     def require_engine(self) -> AsyncLLM:
         if self.draining:

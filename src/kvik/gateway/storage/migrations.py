@@ -77,6 +77,20 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
     (4, "key teams (the tenant that shares a cache scope and prefix-cache salt)", [
         "ALTER TABLE api_keys ADD COLUMN team TEXT",
     ]),
+    (5, "priority tiers of keys, and batches created through the gateway", [
+        """CREATE TABLE key_scheduling (
+            key_id TEXT PRIMARY KEY,            -- an api_keys id (or the bootstrap admin's)
+            tier TEXT NOT NULL,                 -- a name from the config's scheduling.tiers
+            weight {real} NOT NULL,             -- fair-share weight within the tier (1 = equal)
+            updated_at {real} NOT NULL
+        )""",
+        """CREATE TABLE gateway_batches (
+            batch_id TEXT PRIMARY KEY,          -- the upstream server's batch id
+            key_id TEXT,                        -- the key that created it; NULL when auth is disabled
+            created_at {real} NOT NULL,
+            charged_at {real}                   -- when its usage was charged to the key (once)
+        )""",
+    ]),
 ]
 
 

@@ -13,6 +13,12 @@ router = APIRouter()
 
 
 def model_card(state: ServerState, name: str) -> dict[str, Any]:
+    if state.models is not None:  # several models: say which are loaded now
+        pooled = state.models.models[name]
+        info = pooled.engine.info if pooled.engine is not None else None
+        return {"id": name, "object": "model", "created": state.started, "owned_by": "kvik",
+                "root": pooled.spec.args.model, "max_model_len": info.max_model_len if info else None,
+                "status": pooled.state.value, "loaded": pooled.engine is not None}
     info = state.engine.info if state.engine is not None else None
     return {"id": name, "object": "model", "created": state.started, "owned_by": "kvik",
             "root": info.model_path if info else None,

@@ -18,8 +18,7 @@ router = APIRouter()
 @router.post("/tokenize", responses=ERROR_RESPONSES, summary="Tokenize a prompt or chat messages")
 async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     state: ServerState = request.app.state.server
-    engine = state.require_engine()
-    state.resolve_model(body.model)
+    engine, _ = await state.engine_for(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise InvalidRequestError("give exactly one of prompt or messages", param="prompt")
     if body.messages is not None:
@@ -44,8 +43,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
 @router.post("/detokenize", responses=ERROR_RESPONSES, summary="Turn token ids back into text")
 async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
     state: ServerState = request.app.state.server
-    engine = state.require_engine()
-    state.resolve_model(body.model)
+    engine, _ = await state.engine_for(body.model)
     vocab = engine.info.vocab_size
     bad = next((t for t in body.tokens if t >= vocab), None)
     if bad is not None:
@@ -55,9 +53,9 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any
 
 
 @router.get("/tokenizer_info", responses=ERROR_RESPONSES, summary="The tokenizer's configuration")
-async def tokenizer_info(request: Request) -> dict[str, Any]:
+async def tokenizer_info(request: Request, model: str | None = None) -> dict[str, Any]:
     state: ServerState = request.app.state.server
-    engine = state.require_engine()
+    engine, _ = await state.engine_for(model)
     spec = engine.info.tokenizer
     special = spec.special_tokens
     return {

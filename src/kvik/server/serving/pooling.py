@@ -35,8 +35,7 @@ class PoolingServing:
         self.state = state
 
     async def embeddings(self, body: EmbeddingRequest, raw: Request) -> Response:
-        engine = self.state.require_engine()
-        model = self.state.resolve_model(body.model)
+        engine, model = await self.state.engine_for(body.model)
         engine.input_processor.check_task("embed")
         pooling = PoolingParams(task="embed", dimensions=body.dimensions)
         if body.dimensions is not None:
@@ -51,8 +50,7 @@ class PoolingServing:
                              "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
     async def classify(self, body: ClassifyRequest, raw: Request) -> Response:
-        engine = self.state.require_engine()
-        model = self.state.resolve_model(body.model)
+        engine, model = await self.state.engine_for(body.model)
         engine.input_processor.check_task("classify")
         results = await self._run(engine, "classify", model, body.input, PoolingParams(task="classify"), raw)
         labels = engine.info.pooling.labels if engine.info.pooling else []

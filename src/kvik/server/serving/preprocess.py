@@ -128,6 +128,11 @@ def sampling_params(req: _SamplingFields, max_tokens: int, vocab_size: int, *, l
     )
 
 
+def scheduling(body: _SamplingFields) -> dict[str, Any]:
+    """The request's scheduling fields for the engine: priority, and its fair-share tenant."""
+    return {"priority": body.priority, "tenant": body.tenant or "", "tenant_weight": body.tenant_weight}
+
+
 def _text_bytes(value: Any) -> int:
     """UTF-8 size of all the text in a JSON-like value (an upper bound on what it contributes)."""
     return len(json.dumps(value, ensure_ascii=False).encode("utf-8", "surrogatepass"))
@@ -181,8 +186,7 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest, *,
     """`rendered`: the conversation already rendered and tokenized by the caller (the Responses API
     continues a stored conversation with its exact token ids, for the prefix cache)."""
     arrival = time.time()
-    engine = state.require_engine()
-    model = state.resolve_model(body.model)
+    engine, model = await state.engine_for(body.model)
     engine.input_processor.check_task("generate")  # before the template: an encoder has none
     template, kwargs = _chat_template_policy(state, body)
     messages = messages_for_template(body.messages)
@@ -223,7 +227,8 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest, *,
         salt_from = await _system_prompt_tokens(engine, messages, rendered.text, template, tools, kwargs)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     request = processor.make_request(request_id, ids, params, arrival, max_tokens=max_tokens,
-                                     cache_salt=body.cache_salt, salt_from_token=salt_from, where="messages")
+                                     cache_salt=body.cache_salt, salt_from_token=salt_from, where="messages",
+                                     **scheduling(body))
     prepared = PreparedRequest(request_id, model, arrival, engine, assistant=assistant)
     prepared.prompts.append(PreparedPrompt(rendered.text, ids, request, CallRecord(prompt_tokens=len(ids))))
     return prepared
@@ -231,8 +236,7 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest, *,
 
 async def prepare_completion(state: ServerState, body: CompletionRequest) -> PreparedRequest:
     arrival = time.time()
-    engine = state.require_engine()
-    model = state.resolve_model(body.model)
+    engine, model = await state.engine_for(body.model)
     engine.input_processor.check_task("generate")
     if body.best_of is not None and body.best_of != body.n:
         raise InvalidRequestError("best_of: only best_of == n is supported", param="best_of")
@@ -271,7 +275,7 @@ async def prepare_completion(state: ServerState, body: CompletionRequest) -> Pre
                                  prompt_logprobs=k if body.echo and k is not None else None,
                                  structured_outputs=constraint)
         request = processor.make_request(f"{request_id}-{index}", ids, params, arrival, max_tokens=max_tokens,
-                                         cache_salt=body.cache_salt)
+                                         cache_salt=body.cache_salt, **scheduling(body))
         prepared.prompts.append(PreparedPrompt(text, ids, request, CallRecord(prompt_tokens=len(ids))))
     return prepared
 

@@ -124,8 +124,7 @@ class ResponsesServing:
 
     async def _prepare(self, body: ResponsesRequest) -> Turn:
         state = self.state
-        engine = state.require_engine()
-        state.resolve_model(body.model)
+        engine, _ = await state.engine_for(body.model)
         engine.input_processor.check_task("generate")
         previous = await self._previous(body)
         history = (previous.conversation.messages if previous else []) + items.input_messages(body.input)

@@ -42,8 +42,9 @@ def records_usage(records: list[CallRecord], count_completion: bool = True) -> d
 
 async def tracked_generate(state: ServerState, engine: AsyncLLM, request: EngineCoreRequest,
                            prompt: str | None, record: CallRecord) -> AsyncIterator[RequestOutput]:
-    """The engine's output stream for one prompt, observed for metrics."""
+    """The engine's output stream for one prompt, observed for metrics (per model and tier)."""
     metrics = state.metrics
+    model, tier = state.served_name(engine), metrics.tier(request.priority)
     arrival = request.arrival_time
     last: float | None = None
     async for output in engine.generate(request, prompt):
@@ -51,22 +52,24 @@ async def tracked_generate(state: ServerState, engine: AsyncLLM, request: Engine
         new_tokens = sum(len(c.token_ids) for c in output.outputs)
         if new_tokens:
             if last is None:
-                metrics.time_to_first_token.observe(now - arrival)
+                metrics.time_to_first_token(model, tier, now - arrival)
+                metrics.tokens(model, tier, len(request.prompt_token_ids), 0)
                 record.first_token_time = now
             else:
-                metrics.inter_token_latency.observe(now - last)
+                metrics.inter_token_latency(model, now - last)
+            metrics.tokens(model, tier, 0, new_tokens)
             last = now
         record.completion_tokens += new_tokens
         record.cached_tokens = output.num_cached_tokens
         for choice in output.outputs:
             if choice.finish_reason is not None:
-                metrics.finished(choice.finish_reason)
+                metrics.finished(choice.finish_reason, model)
                 record.finish_reasons.append(choice.finish_reason)
         if output.finished:
-            metrics.e2e_latency.observe(now - arrival)
+            metrics.e2e_latency(model, tier, now - arrival)
             scheduled = output.metrics.first_scheduled_time if output.metrics else None
             if scheduled is not None:
-                metrics.queue_time.observe(max(0.0, scheduled - arrival))
+                metrics.queue_time(model, tier, max(0.0, scheduled - arrival))
         yield output
 
 

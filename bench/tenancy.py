@@ -1,0 +1,238 @@
+"""Priority tiers and fair share under saturation: `--scheduling-policy priority` against `fcfs`, in
+one run, on real `kvik serve` processes (one per policy, same model and flags).
+
+1. Tiers. Interactive requests (priority -10, streamed) arrive at a steady rate, first alone (their
+   unloaded TTFT), then while a background tier (priority 10) offers more than the server can do and
+   a Batch API job of `--batch-lines` lines runs. Reported: interactive p50/p99 TTFT loaded and
+   unloaded and their ratio, then whether the background requests and the batch all finish once the
+   offered load stops.
+2. Fair share. Tenant A sends ten times tenant B's request rate; B alone asks for about 60 % of the
+   capacity (measured first with a saturating closed loop). Reported: B's share of the tokens served
+   and B's tokens served over B's tokens asked for.
+
+    python bench/tenancy.py                       # a tiny random model kvik writes itself
+    python bench/tenancy.py --model DIR --seconds 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+PRIORITY = {"interactive": -10, "background": 10}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model: str, policy: str, workdir: Path, max_num_seqs: int) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(workdir / f"server-{policy}.log", "wb")  # noqa: SIM115
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "kvik.cli.main", "serve", "--model", model, "--port", str(self.port),
+             "--served-model-name", "m", "--max-model-len", "1024", "--max-num-seqs", str(max_num_seqs),
+             "--max-waiting", "100000", "--scheduling-policy", policy, "--batch-db", str(workdir / f"{policy}.db")],
+            stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise SystemExit(f"server ({policy}) exited; see {self.log.name}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise SystemExit(f"server ({policy}) did not start")
+
+    def stop(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        self.log.close()
+
+
+async def stream_ttft(client: httpx.AsyncClient, url: str, body: dict) -> float:
+    """Seconds from sending to the first token of a streamed completion (read to the end)."""
+    started, ttft = time.perf_counter(), None
+    async with client.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if ttft is None and line.startswith("data: ") and '"text"' in line:
+                ttft = time.perf_counter() - started
+    if ttft is None:
+        raise RuntimeError("no token came back")
+    return ttft
+
+
+def successes(results: list) -> list[float]:
+    failures = [r for r in results if not isinstance(r, float)]
+    if failures:
+        print(f"  {len(failures)} interactive request(s) failed: {failures[0]!r}", file=sys.stderr)
+    return [r for r in results if isinstance(r, float)]
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def periodic(rate: float, seconds: float, make) -> list:  # noqa: ANN001
+    """Start make() every 1/rate seconds for `seconds`; gather the results."""
+    tasks, started = [], time.perf_counter()
+    position = 0.0
+    while position < seconds:
+        await asyncio.sleep(max(0.0, started + position - time.perf_counter()))
+        tasks.append(asyncio.ensure_future(make()))
+        position += 1 / rate
+    return await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def tiers(server: Server, args: argparse.Namespace) -> dict:
+    prompt = "hello " * 16
+    interactive = {"model": "m", "prompt": prompt, "max_tokens": 8, "ignore_eos": True,
+                   "priority": PRIORITY["interactive"], "tenant": "chat"}
+    background = {"model": "m", "prompt": prompt * 4, "max_tokens": args.max_tokens, "ignore_eos": True,
+                  "priority": PRIORITY["background"], "tenant": "bulk"}
+    async with httpx.AsyncClient(timeout=3600, limits=httpx.Limits(max_connections=None)) as client:
+        unloaded = successes(await periodic(args.interactive_rate, args.seconds / 2,
+                                            lambda: stream_ttft(client, server.url, interactive)))
+        lines = [{"custom_id": f"l{i}", "method": "POST", "url": "/v1/completions",
+                  "body": {**background, "tenant": None, "priority": 0}} for i in range(args.batch_lines)]
+        content = ("\n".join(json.dumps(line) for line in lines) + "\n").encode()
+        uploaded = (await client.post(f"{server.url}/v1/files", data={"purpose": "batch"},
+                                      files={"file": ("in.jsonl", io.BytesIO(content))})).json()
+        batch = (await client.post(f"{server.url}/v1/batches", json={
+            "input_file_id": uploaded["id"], "endpoint": "/v1/completions", "completion_window": "24h"})).json()
+        background_tasks = asyncio.ensure_future(periodic(
+            args.background_rate, args.seconds, lambda: client.post(f"{server.url}/v1/completions", json=background)))
+        await asyncio.sleep(2.0)  # let the queue build
+        loaded = successes(await periodic(args.interactive_rate, args.seconds - 2,
+                                          lambda: stream_ttft(client, server.url, interactive)))
+        load_stopped = time.perf_counter()
+        results = await background_tasks
+        finished = sum(1 for r in results if isinstance(r, httpx.Response) and r.status_code == 200)
+        drain_s = time.perf_counter() - load_stopped
+        while True:
+            state = (await client.get(f"{server.url}/v1/batches/{batch['id']}")).json()
+            if state["status"] in ("completed", "failed", "expired", "cancelled"):
+                break
+            await asyncio.sleep(0.5)
+        batch_drain_s = time.perf_counter() - load_stopped
+    p99_unloaded, p99_loaded = percentile(unloaded, 0.99), percentile(loaded, 0.99)
+    return {"unloaded_p50": statistics.median(unloaded), "unloaded_p99": p99_unloaded,
+            "loaded_p50": statistics.median(loaded), "loaded_p99": p99_loaded, "ratio": p99_loaded / p99_unloaded,
+            "interactive": len(loaded), "background": f"{finished}/{len(results)}", "drain_s": drain_s,
+            "batch": f"{state['status']} {state['request_counts']['completed']}/{state['request_counts']['total']}",
+            "batch_drain_s": batch_drain_s}
+
+
+async def capacity(server: Server, max_tokens: int, seconds: float) -> float:
+    """Completion tokens per second with a saturating closed loop."""
+    body = {"model": "m", "prompt": "capacity probe", "max_tokens": max_tokens, "ignore_eos": True}
+    tokens, end = 0, time.perf_counter() + seconds
+    async with httpx.AsyncClient(timeout=3600) as client:
+        async def loop() -> None:
+            nonlocal tokens
+            while time.perf_counter() < end:
+                response = await client.post(f"{server.url}/v1/completions", json=body)
+                tokens += response.json()["usage"]["completion_tokens"]
+
+        started = time.perf_counter()
+        await asyncio.gather(*(loop() for _ in range(32)))
+    return tokens / (time.perf_counter() - started)
+
+
+async def fairness(server: Server, args: argparse.Namespace, tokens_per_s: float) -> dict:
+    rate_b = 0.6 * tokens_per_s / args.max_tokens
+    served = {"A": 0, "B": 0}
+    asked = {"A": 0, "B": 0}
+    end = time.perf_counter() + args.seconds
+    async with httpx.AsyncClient(timeout=3600, limits=httpx.Limits(max_connections=None)) as client:
+        async def one(tenant: str) -> None:
+            asked[tenant] += args.max_tokens
+            response = await client.post(f"{server.url}/v1/completions", json={
+                "model": "m", "prompt": f"tenant {tenant}", "max_tokens": args.max_tokens, "ignore_eos": True,
+                "tenant": tenant})
+            if time.perf_counter() <= end:  # count what was served within the window
+                served[tenant] += response.json()["usage"]["completion_tokens"]
+
+        tasks = [periodic(10 * rate_b, args.seconds, lambda: one("A")), periodic(rate_b, args.seconds, lambda: one("B"))]
+        gathered = asyncio.gather(*tasks)
+        await asyncio.sleep(args.seconds)
+        for task in asyncio.all_tasks():  # what is still queued after the window is not counted
+            if task is not asyncio.current_task() and task is not gathered:
+                task.cancel()
+        await asyncio.gather(gathered, return_exceptions=True)
+    total = served["A"] + served["B"]
+    return {"b_share": served["B"] / total if total else 0.0, "b_served_over_asked": served["B"] / max(1, asked["B"]),
+            "rate_b": rate_b, "tokens": total}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="model directory (default: a tiny random model)")
+    parser.add_argument("--seconds", type=float, default=20.0, help="length of each measured phase")
+    parser.add_argument("--max-num-seqs", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=48, help="tokens per background/fairness request")
+    parser.add_argument("--interactive-rate", type=float, default=2.0, help="interactive requests per second")
+    parser.add_argument("--background-rate", type=float, default=20.0, help="background requests per second")
+    parser.add_argument("--batch-lines", type=int, default=100)
+    args = parser.parse_args()
+    workdir = Path(tempfile.mkdtemp(prefix="kvik-bench-tenancy-"))
+    model = args.model
+    if model is None:
+        subprocess.run([sys.executable, "-m", "kvik.cli.main", "make-model", str(workdir / "tiny"), "--arch",
+                        "llama", "--size", "tiny"], check=True, capture_output=True)
+        model = str(workdir / "tiny")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    report = {}
+    for policy in ("fcfs", "priority"):
+        server = Server(model, policy, workdir, args.max_num_seqs)
+        try:
+            report[policy] = asyncio.run(tiers(server, args))
+            tokens_per_s = asyncio.run(capacity(server, args.max_tokens, min(10.0, args.seconds / 2)))
+            report[policy].update(asyncio.run(fairness(server, args, tokens_per_s)))
+            report[policy]["capacity_tok_s"] = tokens_per_s
+        finally:
+            server.stop()
+    rows = [("interactive TTFT p50 unloaded (s)", "unloaded_p50", "{:.3f}"),
+            ("interactive TTFT p99 unloaded (s)", "unloaded_p99", "{:.3f}"),
+            ("interactive TTFT p50 loaded (s)", "loaded_p50", "{:.3f}"),
+            ("interactive TTFT p99 loaded (s)", "loaded_p99", "{:.3f}"),
+            ("p99 loaded / unloaded", "ratio", "{:.2f}"),
+            ("background requests finished", "background", "{}"),
+            ("  ... s after the load stopped", "drain_s", "{:.1f}"),
+            ("batch job", "batch", "{}"),
+            ("  ... s after the load stopped", "batch_drain_s", "{:.1f}"),
+            ("capacity (completion tok/s)", "capacity_tok_s", "{:.0f}"),
+            ("B share of tokens served (A at 10x B's rate)", "b_share", "{:.2f}"),
+            ("B tokens served / B tokens asked", "b_served_over_asked", "{:.2f}")]
+    print(f"{'':48} {'fcfs':>14} {'priority':>14}")
+    for label, key, fmt in rows:
+        print(f"{label:48} {fmt.format(report['fcfs'][key]):>14} {fmt.format(report['priority'][key]):>14}")
+    print(f"\n(workdir {workdir}; max_num_seqs {args.max_num_seqs}, {args.seconds:.0f} s phases)")
+
+
+if __name__ == "__main__":
+    main()
