@@ -14,6 +14,7 @@ import pytest
 
 from tests.gateway.harness import ADMIN_KEY, Gateway
 from tests.web.page_helpers import (
+    ANSWER,
     answers,
     by_id,
     content,
@@ -188,8 +189,11 @@ def test_markdown_reasoning_and_tools(page, gateway: Gateway) -> None:
     assert "Tool call: get_weather" in call.locator(".tool-call summary").inner_text()
     assert json.loads(call.locator(".tool-call pre").inner_text()) == {"city": "Paris"}
     call.locator("textarea.tool-result-input").fill("18 C and sunny")
+    before = answers(page).count()
     call.get_by_role("button", name="Send tool results").click()
     page.wait_for_selector("#messages article.tool")
+    # The tool message appears before the answer to it: wait for the new answer, not the last one.
+    wait_until(page, f"document.querySelectorAll({ANSWER!r}).length > {before}")
     final = by_id(page, answers(page).last.get_attribute("data-id"))
     wait_done(page, final)
     assert content(final) == "The tool said: 18 C and sunny"
