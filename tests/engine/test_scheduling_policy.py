@@ -12,7 +12,7 @@ from kvik.core.sampling_params import SamplingParams
 from kvik.engine.fair_share import VirtualTokenCounters
 from kvik.engine.kv_manager import KVCacheManager
 from kvik.engine.request import Request, RequestStatus
-from kvik.engine.scheduler import Scheduler
+from kvik.engine.scheduler import SampledTokens, Scheduler
 from kvik.engine.scheduling_policy import FcfsPolicy, PriorityFairPolicy, make_policy
 from tests.engine.helpers import make_request
 
@@ -32,7 +32,7 @@ def request(prompt_len: int = 4, *, priority: int = 0, tenant: str = "", weight:
 def step(scheduler: Scheduler) -> list:
     """One engine step with a fake model; returns the core outputs."""
     out = scheduler.schedule()
-    sampled = {chunk.request: (1, None) for chunk in out.chunks if chunk.completes_sequence}
+    sampled = {chunk.request: SampledTokens([1], None) for chunk in out.chunks if chunk.completes_sequence}
     return scheduler.update_from_output(out, sampled)
 
 

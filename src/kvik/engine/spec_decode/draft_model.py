@@ -16,7 +16,6 @@ that distribution for the rejection step.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -30,10 +29,8 @@ from kvik.engine.sampler import Sampler
 from kvik.engine.scheduler import ScheduledChunk
 from kvik.engine.spec_decode.proposer import Draft, DraftContext
 from kvik.engine.spec_decode.rejection import draw_token
-from kvik.model.layers.cpu_kernels import cpu_kernels
 from kvik.model.loader import load_model, load_model_config, resolve_model_path
-from kvik.model.transforms.cpu_fused_ops import enable_cpu_fused_ops
-from kvik.model.transforms.onednn_linear import onednn_available, pack_linears_for_onednn
+from kvik.model.transforms import optimize_for_inference
 
 logger = logging.getLogger("kvik.engine")
 
@@ -59,16 +56,9 @@ class DraftModelProposer:
         loaded = load_model(path, cfg, device, dtype, show_progress=False)
         self.model = loaded.model
         self.weight_bytes = loaded.weight_bytes
-        # The same CPU preparation as the target's (EngineCore): oneDNN packing, fused kernels.
-        kernels = None
-        if (device.type == "cpu" and dtype == torch.float32
-                and os.environ.get("KVIK_CPU_KERNELS", "1") != "0"):
-            kernels = cpu_kernels()
-            if onednn_available():
-                pack_linears_for_onednn(self.model, kernels)
-            if kernels is not None:
-                enable_cpu_fused_ops(self.model, kernels)
-        self.kernels = kernels
+        # The same CPU preparation as the target's (EngineCore), in the draft's own dtype: oneDNN
+        # packing and the compiled kernels (the draft's weights stay unquantized).
+        self.kernels = optimize_for_inference(self.model, device, dtype).kernels
         logger.info("draft model %s (%s, %.1f MiB) for speculative decoding", path, cfg.architecture,
                     loaded.weight_bytes / 2**20)
         self.device, self.dtype, self.block_size = device, dtype, block_size
@@ -88,8 +78,7 @@ class DraftModelProposer:
         self.pool = BlockPool(num_blocks)
         self.runner = ModelRunner(self.model, num_blocks=num_blocks, block_size=self.block_size,
                                   num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
-                                  head_dim=cfg.head_dim, device=self.device, dtype=self.dtype,
-                                  cpu_kernels=self.kernels)
+                                  head_dim=cfg.head_dim, device=self.device, kv_cache_dtype=self.dtype)
         self.sampler = sampler
 
     # -- proposing --
