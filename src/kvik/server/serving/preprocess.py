@@ -15,6 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvik.core import tracing
 from kvik.core.chat_template import check_template_kwargs
 from kvik.core.errors import InvalidRequestError
 from kvik.core.sampling_params import OutputKind, SamplingParams
@@ -24,6 +25,7 @@ from kvik.engine.preprocess_pool import RenderedPrompt
 from kvik.protocol.openai import ChatCompletionRequest, ChatMessage, CompletionRequest, _SamplingFields
 from kvik.server.serving.tracking import CallRecord
 from kvik.server.state import ServerState
+from kvik.server.tracing import annotate_request
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for the completions API
 
@@ -167,9 +169,10 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest, *,
     input_bytes = _text_bytes(messages) + (_text_bytes(body.tools) if body.tools else 0)
     processor.check_text_size(_text_bytes([m["content"] for m in messages]), "messages")
     if rendered is None:
-        rendered = await engine.render_chat(messages, add_generation_prompt=body.add_generation_prompt,
-                                            template=template, tools=body.tools, template_kwargs=kwargs,
-                                            input_bytes=input_bytes)
+        with tracing.span("tokenize"):
+            rendered = await engine.render_chat(messages, add_generation_prompt=body.add_generation_prompt,
+                                                template=template, tools=body.tools, template_kwargs=kwargs,
+                                                input_bytes=input_bytes)
     ids = rendered.token_ids
     # The context check first, so an over-long conversation names `messages`, not `prompt`.
     max_tokens = processor.resolve_max_tokens(requested, len(ids), "messages")
@@ -183,6 +186,7 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest, *,
                                      cache_salt=body.cache_salt, salt_from_token=salt_from, where="messages")
     prepared = PreparedRequest(request_id, model, arrival, engine)
     prepared.prompts.append(PreparedPrompt(rendered.text, ids, request, CallRecord(prompt_tokens=len(ids))))
+    annotate_request(prepared, "chat")
     return prepared
 
 
@@ -200,7 +204,8 @@ async def prepare_completion(state: ServerState, body: CompletionRequest) -> Pre
         raise InvalidRequestError("max_tokens: must be at least 1 (0 only with echo)", param="max_tokens")
     score_only = body.echo and body.max_tokens == 0
     processor = engine.input_processor
-    prompts = await _completion_prompts(engine, body.prompt)
+    with tracing.span("tokenize"):
+        prompts = await _completion_prompts(engine, body.prompt)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     prepared = PreparedRequest(request_id, model, arrival, engine)
     k = body.logprobs
@@ -224,6 +229,7 @@ async def prepare_completion(state: ServerState, body: CompletionRequest) -> Pre
         request = processor.make_request(f"{request_id}-{index}", ids, params, arrival, max_tokens=max_tokens,
                                          cache_salt=body.cache_salt)
         prepared.prompts.append(PreparedPrompt(text, ids, request, CallRecord(prompt_tokens=len(ids))))
+    annotate_request(prepared, "text_completion")
     return prepared
 
 
