@@ -11,6 +11,7 @@ that the replica's log lines carry the trace id.
 from __future__ import annotations
 
 import json
+import secrets
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
 pytest.importorskip("torch")  # the replica is kvik serve
 pytest.importorskip("opentelemetry.sdk")
 openai = pytest.importorskip("openai")
+connect = pytest.importorskip("websockets.sync.client").connect
 pytestmark = pytest.mark.timeout(300)
 
 GATEWAY_SPANS = {"POST /v1/chat/completions", "auth", "rate_limit", "route", "upstream"}
@@ -122,6 +124,23 @@ def test_streamed_request_is_one_trace_across_gateway_replica_and_engine(
             traced = [line for line in lines if f"trace_id={trace_id}" in line]
             assert traced, lines
             assert json.loads(traced[-1].partition("kvik.server.requests: ")[2])["trace_id"] == trace_id
+
+            # The WebSocket bridge: a request on a socket whose handshake carried a traceparent
+            # joins that trace, gateway and replica alike.
+            client_trace, client_span = secrets.token_hex(16), secrets.token_hex(8)
+            ws_url = gateway.url.replace("http://", "ws://") + "/v1/chat/completions"
+            with connect(ws_url, additional_headers={"Authorization": f"Bearer {key}",
+                                                     "traceparent": f"00-{client_trace}-{client_span}-01"}) as socket:
+                assert json.loads(socket.recv(timeout=30))["type"] == "session.created"
+                socket.send(json.dumps({"type": "response.create", "stream_id": "s1", "model": "tiny",
+                                        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}))
+                while (event := json.loads(socket.recv(timeout=60)))["type"] != "response.done":
+                    pass
+                assert event["status"] == "completed"
+            spans = receiver.wait_for(lambda got: _complete(client_trace, got))
+            ws_root = next(s for s in spans if s.trace_id == client_trace and s.service == "kvik-gateway"
+                           and s.name == "POST /v1/chat/completions")
+            assert ws_root.parent_span_id == client_span
         finally:
             replica.stop()
 

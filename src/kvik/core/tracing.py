@@ -66,8 +66,10 @@ class TracingConfig:
         return self.endpoint
 
 
-def configure(config: TracingConfig) -> None:
-    """Turn tracing on for this process (once; a second call replaces the first provider)."""
+def configure(config: TracingConfig, exporter: Any = None) -> None:
+    """Turn tracing on for this process (a second call replaces the first provider). `exporter`:
+    an OpenTelemetry SpanExporter to use instead of OTLP (tests, embedding); spans then go to it
+    one by one as they end."""
     global _tracer, _provider, _propagator
     try:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -83,7 +85,12 @@ def configure(config: TracingConfig) -> None:
         _provider.shutdown()
     resource = Resource.create({"service.name": config.service_name, "service.version": _kvik_version()})
     provider = TracerProvider(resource=resource, sampler=ParentBased(TraceIdRatioBased(config.sample_ratio)))
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=config.traces_url)))
+    if exporter is None:
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=config.traces_url)))
+    else:
+        from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
     _provider = provider
     _propagator = TraceContextTextMapPropagator()
     _tracer = provider.get_tracer("kvik", _kvik_version())
