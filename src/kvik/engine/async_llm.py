@@ -111,6 +111,7 @@ class AsyncLLM:
 
     # -- preprocessing --
 
+    @tracing.traced("tokenize")
     async def render_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
                           template: str | None = None, tools: list[dict[str, Any]] | None = None,
                           template_kwargs: dict[str, Any] | None = None, input_bytes: int = 0
@@ -124,6 +125,7 @@ class AsyncLLM:
         return render_and_tokenize(self.tokenizer, messages, add_generation_prompt=add_generation_prompt,
                                    template=template, tools=tools, template_kwargs=kwargs)
 
+    @tracing.traced("tokenize")
     async def tokenize(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         for text in texts:
             self.input_processor.check_text_size(len(text.encode("utf-8", "surrogatepass")), "prompt")

@@ -15,7 +15,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvik.core import tracing
 from kvik.core.chat_template import check_template_kwargs
 from kvik.core.errors import InvalidRequestError
 from kvik.core.sampling_params import OutputKind, SamplingParams
@@ -169,10 +168,9 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest, *,
     input_bytes = _text_bytes(messages) + (_text_bytes(body.tools) if body.tools else 0)
     processor.check_text_size(_text_bytes([m["content"] for m in messages]), "messages")
     if rendered is None:
-        with tracing.span("tokenize"):
-            rendered = await engine.render_chat(messages, add_generation_prompt=body.add_generation_prompt,
-                                                template=template, tools=body.tools, template_kwargs=kwargs,
-                                                input_bytes=input_bytes)
+        rendered = await engine.render_chat(messages, add_generation_prompt=body.add_generation_prompt,
+                                            template=template, tools=body.tools, template_kwargs=kwargs,
+                                            input_bytes=input_bytes)
     ids = rendered.token_ids
     # The context check first, so an over-long conversation names `messages`, not `prompt`.
     max_tokens = processor.resolve_max_tokens(requested, len(ids), "messages")
@@ -204,8 +202,7 @@ async def prepare_completion(state: ServerState, body: CompletionRequest) -> Pre
         raise InvalidRequestError("max_tokens: must be at least 1 (0 only with echo)", param="max_tokens")
     score_only = body.echo and body.max_tokens == 0
     processor = engine.input_processor
-    with tracing.span("tokenize"):
-        prompts = await _completion_prompts(engine, body.prompt)
+    prompts = await _completion_prompts(engine, body.prompt)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     prepared = PreparedRequest(request_id, model, arrival, engine)
     k = body.logprobs
