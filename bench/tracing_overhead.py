@@ -7,7 +7,9 @@ OTLP/HTTP), side by side, as paired ratios to "off".
 
 Three `kvik serve` processes of the same model run at once (idle ones cost nothing but memory); the
 load visits them in turn (off, ratio 0, ratio 1, off, ...), so drift in the machine's speed hits all
-three alike, and each round's ratio compares neighbours. The traced servers export to a sink in this
+three alike, and each round's ratio compares neighbours. Beside throughput it reports the CPU time
+each server (API process and engine core) spent per request, read from the OS, which what else
+runs on a shared machine moves much less. The traced servers export to a sink in this
 process that accepts OTLP/HTTP and drops it (its CPU cost is this process's, not the server's). The
 default model is the tiny random Llama (`kvik make-model`): the cheaper a token, the larger tracing's
 share, so this is the worst case; pass a real model with --model for a realistic one. There is no
@@ -69,6 +71,21 @@ def start_server(model: str, mode: str, sink_url: str, log: Path) -> tuple[subpr
         argv += ["--otlp-traces-endpoint", sink_url, "--otlp-traces-sample-ratio", "0" if mode == "ratio0" else "1"]
     proc = subprocess.Popen(argv, stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=REPO)
     return proc, f"http://127.0.0.1:{port}"
+
+
+def cpu_seconds(proc: subprocess.Popen[bytes]) -> float:
+    """User + system CPU seconds of the server process and its children (the engine core) so far."""
+    import psutil
+
+    root = psutil.Process(proc.pid)
+    total = 0.0
+    for process in [root, *root.children(recursive=True)]:
+        try:
+            times = process.cpu_times()
+            total += times.user + times.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
 
 
 def wait_ready(proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
@@ -139,12 +156,17 @@ def main() -> None:
         for index in range(args.rounds):
             # Rotate the order each round, so no mode always runs first (or right after another).
             order = MODES[index % 3:] + MODES[:index % 3]
-            result = {mode: asyncio.run(load(servers[mode][1], args.requests, args.concurrency, args.max_tokens))
-                      for mode in order}
+            result = {}
+            for mode in order:
+                proc, url = servers[mode]
+                cpu_before = cpu_seconds(proc)
+                result[mode] = asyncio.run(load(url, args.requests, args.concurrency, args.max_tokens))
+                result[mode]["cpu_ms_per_request"] = (cpu_seconds(proc) - cpu_before) * 1000 / args.requests
             rounds.append(result)
             if not args.json:
                 print(f"round {index + 1}: " + "  ".join(
-                    f"{mode} {result[mode]['tokens_per_s']:.0f} tok/s" for mode in MODES), flush=True)
+                    f"{mode} {result[mode]['tokens_per_s']:.0f} tok/s {result[mode]['cpu_ms_per_request']:.0f} cpu-ms/req"
+                    for mode in MODES), flush=True)
     finally:
         for proc, _ in servers.values():
             proc.terminate()
@@ -164,6 +186,12 @@ def main() -> None:
                                 for m in MODES[1:]},
         "ratio_to_off_per_round": {m: [round(r[m]["tokens_per_s"] / r["off"]["tokens_per_s"], 4) for r in rounds]
                                    for m in MODES[1:]},
+        # CPU time the server (API process + engine core) spent per request: less sensitive than
+        # throughput to what else runs on the machine.
+        "server_cpu_ms_per_request_median": {m: statistics.median(r[m]["cpu_ms_per_request"] for r in rounds)
+                                             for m in MODES},
+        "cpu_ratio_to_off_median": {m: statistics.median(r[m]["cpu_ms_per_request"] / r["off"]["cpu_ms_per_request"]
+                                                         for r in rounds) for m in MODES[1:]},
     }
     if args.json:
         print(json.dumps(summary, indent=2))
@@ -172,6 +200,10 @@ def main() -> None:
     for mode in MODES[1:]:
         print(f"{mode} / off: median {summary['ratio_to_off_median'][mode]:.3f} "
               f"(per round {summary['ratio_to_off_per_round'][mode]})")
+    print("server CPU ms per request (median): " + ", ".join(
+        f"{m} {v:.1f}" for m, v in summary["server_cpu_ms_per_request_median"].items()))
+    for mode in MODES[1:]:
+        print(f"{mode} / off server CPU per request: median {summary['cpu_ratio_to_off_median'][mode]:.3f}")
     print(f"OTLP exports received: {Sink.received}")
 
 
