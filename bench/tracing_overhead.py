@@ -69,7 +69,10 @@ def start_server(model: str, mode: str, sink_url: str, log: Path) -> tuple[subpr
             "--max-model-len", "512", "--log-level", "warning"]
     if mode != "off":
         argv += ["--otlp-traces-endpoint", sink_url, "--otlp-traces-sample-ratio", "0" if mode == "ratio0" else "1"]
-    proc = subprocess.Popen(argv, stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=REPO)
+    # One torch thread per server unless told otherwise: three servers share the machine's cores,
+    # and spinning OpenMP threads of idle-waiting servers would swamp the figures.
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    proc = subprocess.Popen(argv, stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=REPO, env=env)
     return proc, f"http://127.0.0.1:{port}"
 
 
