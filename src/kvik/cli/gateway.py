@@ -88,7 +88,14 @@ def run_server(args: argparse.Namespace) -> int:
     config = _load(args)
     host = args.host or config.host
     port = args.port or config.port
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log_format = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    if config.tracing.otlp_traces_endpoint:
+        from kvik.core import tracing
+
+        tracing.configure(tracing.TracingConfig(config.tracing.otlp_traces_endpoint, config.tracing.sample_ratio,
+                                                service_name=config.tracing.service_name))
+        log_format = tracing.log_format(log_format)
+    logging.basicConfig(level=args.log_level.upper(), format=log_format)
     names = ", ".join(m.name for m in config.models)
     metrics = (f"; /metrics on http://{config.metrics.host or host}:{config.metrics.port}"
                if config.metrics.port is not None else "")

@@ -78,6 +78,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     batches.add_argument("--batch-concurrency", type=int, default=None,
                          help="batch requests in the engine at once, all batches together "
                               "(default: --max-num-seqs)")
+    server.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                        help="export OpenTelemetry traces over OTLP/HTTP to URL (e.g. "
+                             "http://127.0.0.1:4318/v1/traces); off by default. Spans: the request, "
+                             "tokenize, queue, prefill, decode, detokenize; log lines gain trace_id")
+    server.add_argument("--otlp-traces-sample-ratio", type=float, default=1.0, metavar="R",
+                        help="fraction of new traces recorded, 0..1 (default 1); requests arriving "
+                             "with a traceparent follow its sampled flag")
     several = parser.add_argument_group("several models (--model NAME=DIR, repeated)")
     several.add_argument("--model-memory-budget", type=parse_bytes, default=None,
                          help="memory for the loaded models together (weights + KV cache); the least "
@@ -101,8 +108,15 @@ def run(args: argparse.Namespace) -> int:
     from kvik.server.launcher import run_server
     from kvik.server.state import ServerConfig, ServerState
 
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.otlp_traces_endpoint:
+        from kvik.core import tracing
+
+        tracing.configure(tracing.TracingConfig(args.otlp_traces_endpoint, args.otlp_traces_sample_ratio,
+                                                service_name="kvik-server"))
+    log_format = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    if args.otlp_traces_endpoint:
+        log_format = tracing.log_format(log_format)
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format=log_format)
     if args.max_waiting < 0:
         raise ConfigError("--max-waiting: must be >= 0")
     if args.tokenizer_workers < 0:

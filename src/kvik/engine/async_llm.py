@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any, AsyncIterator, Callable
 
+from kvik.core import tracing
 from kvik.core.chat_template import TemplateLimits
 from kvik.core.config import EngineArgs
 from kvik.core.errors import KvikError, ServiceUnavailableError
 from kvik.core.outputs import PoolingRequestOutput, RequestOutput
 from kvik.core.tokenizer import Tokenizer
+from kvik.engine import request_spans
 from kvik.engine.core_client import EngineCoreClient
 from kvik.engine.input_processor import InputProcessor
 from kvik.engine.messages import EngineCoreOutputs, EngineCoreRequest, EngineInfo, EngineStats
@@ -108,6 +111,7 @@ class AsyncLLM:
 
     # -- preprocessing --
 
+    @tracing.traced("tokenize")
     async def render_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
                           template: str | None = None, tools: list[dict[str, Any]] | None = None,
                           template_kwargs: dict[str, Any] | None = None, input_bytes: int = 0
@@ -121,6 +125,7 @@ class AsyncLLM:
         return render_and_tokenize(self.tokenizer, messages, add_generation_prompt=add_generation_prompt,
                                    template=template, tools=tools, template_kwargs=kwargs)
 
+    @tracing.traced("tokenize")
     async def tokenize(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         for text in texts:
             self.input_processor.check_text_size(len(text.encode("utf-8", "surrogatepass")), "prompt")
@@ -140,15 +145,21 @@ class AsyncLLM:
             raise KvikError(f"request id {request_id!r} is already in use")
         queue: asyncio.Queue[Any] = asyncio.Queue()
         self._queues[request_id] = queue
-        self.output_processor.add_request(request_id, prompt, request.prompt_token_ids, request.params,
-                                          request.arrival_time)
+        state = self.output_processor.add_request(request_id, prompt, request.prompt_token_ids, request.params,
+                                                  request.arrival_time)
+        span = request_spans.start_generate_span(request_id, len(request.prompt_token_ids),
+                                                 request.max_tokens) if tracing.enabled() else None
+        state.traced = span is not None
+        sent_time = time.time()
         finished = False
+        error: str | None = None
         try:
             await self.client.add_request(request)
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     finished = True
+                    error = str(item)
                     raise item
                 finished = item.finished
                 yield item
@@ -156,6 +167,8 @@ class AsyncLLM:
                     return
         finally:
             self._queues.pop(request_id, None)
+            if span is not None:
+                request_spans.end_generate_span(span, state, sent_time, error)
             if not finished:
                 await self.abort(request_id)
 

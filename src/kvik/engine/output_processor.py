@@ -52,6 +52,9 @@ class RequestState:
     prompt_logprobs_sent: bool = False
     num_cached_tokens: int = 0
     error: str | None = None
+    # Traced requests (kvik.engine.request_spans) time their detokenization, in seconds.
+    traced: bool = False
+    detokenize_seconds: float = 0.0
 
     @property
     def finished(self) -> bool:
@@ -135,7 +138,12 @@ class OutputProcessor:
             sequence = state.sequences[core.index]
             if sequence.finished:
                 continue  # a stop string ended it; the core had not heard yet
-            self._append(state, sequence, core, now)
+            if state.traced:
+                started = time.perf_counter()
+                self._append(state, sequence, core, now)
+                state.detokenize_seconds += time.perf_counter() - started
+            else:
+                self._append(state, sequence, core, now)
             if sequence.finished and core.finish_reason is None:
                 result.aborts.append((core.request_id, core.index))
         for request_id, state in changed.items():

@@ -12,6 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvik.core import tracing
 from kvik.core.errors import InvalidRequestError, KvikError, NotFoundError
 from kvik.web.client_limits import ClientLimits, send_error
 from kvik.gateway.config import GatewayConfig
@@ -22,6 +23,7 @@ from kvik.gateway.state import GatewayState
 from kvik.protocol.errors import error_body, error_from_exception
 from kvik.protocol.openai import ChatCompletionRequest, CompletionRequest
 from kvik.web import PageConfig, install_web
+from kvik.web.tracing import TracingMiddleware
 
 logger = logging.getLogger("kvik.gateway")
 
@@ -55,6 +57,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.add_middleware(ClientLimits, max_body_bytes=config.limits.max_body_bytes,
                        body_timeout_s=config.limits.body_timeout_s)
     app.add_middleware(ListenerGate, metrics_port=config.metrics.port)
+    if tracing.enabled():  # outermost: the request's span covers the limits and the last streamed byte
+        app.add_middleware(TracingMiddleware)
 
     @app.exception_handler(KvikError)
     async def on_kvik_error(request: Request, exc: KvikError) -> JSONResponse:

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvik.core.errors import AuthenticationError, PermissionDeniedError, QuotaExceededError
+from kvik.core.tracing import traced
 from kvik.gateway.config import AuthConfig
 from kvik.gateway.keys import ApiKey, KeyStore, hash_secret
 from kvik.gateway.tokens import TokenEstimate
@@ -44,6 +45,7 @@ class Authenticator:
             id=BOOTSTRAP_ADMIN_ID, name="auth.admin_key", key_prefix=config.admin_key[:12], role="admin",
             models=None, rpm=None, tpm=None, token_budget=None, tokens_used=0, created_at=0.0)
 
+    @traced("auth")
     async def authenticate(self, authorization: str | None) -> Principal:
         """The caller of a model endpoint; raises 401 for a missing or unknown key."""
         if not self._config.enabled:

@@ -247,6 +247,16 @@ class BatchesConfig(_Section):
     upstream: ReplicaConfig
 
 
+class TracingSection(_Section):
+    # OpenTelemetry traces over OTLP/HTTP (protobuf), e.g. http://127.0.0.1:4318/v1/traces; off when
+    # null. Spans: the request, auth, rate_limit, route, each upstream attempt (its traceparent goes
+    # to the replica); log lines gain trace_id/span_id.
+    otlp_traces_endpoint: str | None = None
+    # Fraction of new traces recorded; a request arriving with a traceparent follows its sampled flag.
+    sample_ratio: float = Field(default=1.0, ge=0.0, le=1.0)
+    service_name: str = "kvik-gateway"
+
+
 class GatewayConfig(_Section):
     models: list[ModelConfig] = Field(min_length=1)
     auth: AuthConfig = Field(default_factory=AuthConfig)
@@ -263,6 +273,7 @@ class GatewayConfig(_Section):
     batches: BatchesConfig | None = None
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     tenancy: TenancyConfig = Field(default_factory=TenancyConfig)
+    tracing: TracingSection = Field(default_factory=TracingSection)
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=1, le=65535)
 

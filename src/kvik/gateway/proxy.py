@@ -29,9 +29,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 
+from kvik.core import tracing
 from kvik.core.errors import ServiceUnavailableError, UpstreamError
 from kvik.gateway.balancing import RoutingContext
 from kvik.gateway.metrics import GatewayMetrics
@@ -60,6 +62,7 @@ class UpstreamAnswer:
     rest: AsyncIterator[bytes] | None = None  # streaming 200: the chunks after the first
     _response: httpx.Response | None = None
     _finished: bool = field(default=False)
+    span: Any = None  # the attempt's trace span (kvik.core.tracing), ended by finish()
 
     @property
     def streaming(self) -> bool:
@@ -80,6 +83,7 @@ class UpstreamAnswer:
         if self._response is not None:
             await self._response.aclose()
         self.replica.finish_attempt(outcome)
+        tracing.end_span(self.span, error=f"HTTP {self.status}" if self.status >= 500 else None)
 
 
 class UpstreamProxy:
@@ -97,6 +101,7 @@ class UpstreamProxy:
         two replicas agree on, or, when every attempt failed, the last upstream error answer. Raises
         503 when no replica is available and 502 when every attempt failed without an answer."""
         self._budget.record_request()
+        tracing.set_attributes({"gen_ai.request.model": pool.name})
         tried: set[Replica] = set()
         suspects: list[Replica] = []  # replicas whose 5xx awaits a second opinion
         last_answer: UpstreamAnswer | None = None
@@ -160,6 +165,10 @@ class UpstreamProxy:
                    "x-request-id": request_id}
         if replica.api_key:
             headers["authorization"] = f"Bearer {replica.api_key}"
+        span = tracing.start_span("upstream", client=True, attributes={
+            "http.request.method": "POST", "url.full": replica.url + path, "kvik.replica": replica.url,
+            "kvik.attempt": attempt})
+        tracing.inject(headers, span)
         request = self._client.build_request("POST", replica.url + path, content=payload, headers=headers)
         # A stream must show its first event within first_byte_s; a non-streaming answer is bounded
         # by the client's read timeout (read_s). Both end early when the replica is marked down.
@@ -176,11 +185,17 @@ class UpstreamProxy:
         except TimeoutError:
             if response is not None:
                 await response.aclose()
-            raise AttemptTimeout("first_byte_timeout" if replica.healthy else "replica_down") from None
-        except BaseException:
+            reason = "first_byte_timeout" if replica.healthy else "replica_down"
+            tracing.end_span(span, error=reason)
+            raise AttemptTimeout(reason) from None
+        except BaseException as exc:
             if response is not None:
                 await response.aclose()
+            tracing.end_span(span, error=type(exc).__name__)
             raise
+        if span is not None:
+            span.set_attribute("http.response.status_code", answer.status)
+            answer.span = span
         return answer
 
     @staticmethod

@@ -7,6 +7,7 @@ import math
 from collections.abc import Callable
 
 from kvik.core.errors import ModelNotFoundError
+from kvik.core.tracing import traced
 from kvik.gateway.balancing import BalancingStrategy, RoutingContext, make_strategy
 from kvik.gateway.balancing.prefix_affinity import affinity_key
 from kvik.gateway.breaker import BreakerState, CircuitBreaker
@@ -96,6 +97,7 @@ class ModelRouter:
             for name in (pool.name, *pool.config.aliases):
                 self._by_name[name] = pool
 
+    @traced("route")
     def resolve(self, model: str) -> ModelPool:
         pool = self._by_name.get(model)
         if pool is None:

@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from kvik.core.errors import InvalidRequestError, KvikError, QuotaExceededError
+from kvik.core.tracing import traced
 from kvik.gateway.auth import Principal
 from kvik.gateway.balancing import RoutingContext
 from kvik.gateway.cache import policy
@@ -153,6 +154,7 @@ class ProxyService:
         texts = request_texts(body)
         return body, texts, estimate_tokens(body, texts, self.state.config.limits.reserve_completion_tokens)
 
+    @traced("rate_limit")
     async def _admit(self, log: RequestLog) -> None:
         """Reserve the estimate from the key's budget and TPM, count RPM; or refuse with 429."""
         state, principal, estimate = self.state, log.principal, log.estimate

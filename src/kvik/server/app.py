@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvik import __version__
+from kvik.core import tracing
 from kvik.core.errors import AuthenticationError, InvalidRequestError, KvikError, RequestTooLargeError
 from kvik.core.memory import release_freed_memory
 from kvik.protocol.errors import error_body, error_from_exception
@@ -32,6 +33,7 @@ from kvik.server.serving.responses_api import ResponsesServing
 from kvik.server.serving.streams import ClientDisconnected
 from kvik.server.state import ServerState
 from kvik.web import PageConfig, install_web
+from kvik.web.tracing import TracingMiddleware
 
 logger = logging.getLogger("kvik.server")
 
@@ -184,6 +186,8 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(ops.router)
     install_web(app, PageConfig(product="server", conversations="browser"))
     app.add_middleware(RequestGate, state=state)
+    if tracing.enabled():  # outermost: the request's span covers the gate and the last streamed byte
+        app.add_middleware(TracingMiddleware)
 
     @app.exception_handler(KvikError)
     async def kvik_error(request: Request, exc: KvikError) -> Response:

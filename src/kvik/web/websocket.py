@@ -368,6 +368,10 @@ class StreamingSocket:
             headers.append((b"user-agent", agent.encode("latin-1", errors="replace")))
         if self.authorization:
             headers.append((b"authorization", self.authorization.encode("latin-1", errors="replace")))
+        for name in (b"traceparent", b"tracestate"):  # W3C trace context: requests join the client's trace
+            value = self.ws.headers.get(name.decode())
+            if value:
+                headers.append((name, value.encode("latin-1", errors="replace")))
         return headers
 
     async def _error(self, exc: ProtocolError) -> None:

@@ -30,6 +30,7 @@ from kvik.server.serving.constraints import checked, requested_constraint
 from kvik.server.serving.tools import plan_tools, template_tools
 from kvik.server.serving.tracking import CallRecord
 from kvik.server.state import ServerState
+from kvik.server.tracing import annotate_request
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for the completions API
 
@@ -231,6 +232,7 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest, *,
                                      **scheduling(body))
     prepared = PreparedRequest(request_id, model, arrival, engine, assistant=assistant)
     prepared.prompts.append(PreparedPrompt(rendered.text, ids, request, CallRecord(prompt_tokens=len(ids))))
+    annotate_request(prepared, "chat")
     return prepared
 
 
@@ -277,6 +279,7 @@ async def prepare_completion(state: ServerState, body: CompletionRequest) -> Pre
         request = processor.make_request(f"{request_id}-{index}", ids, params, arrival, max_tokens=max_tokens,
                                          cache_salt=body.cache_salt, **scheduling(body))
         prepared.prompts.append(PreparedPrompt(text, ids, request, CallRecord(prompt_tokens=len(ids))))
+    annotate_request(prepared, "text_completion")
     return prepared
 
 

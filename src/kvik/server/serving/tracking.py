@@ -9,10 +9,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
+from kvik.core import tracing
 from kvik.core.outputs import RequestOutput
 from kvik.engine.async_llm import AsyncLLM
 from kvik.engine.messages import EngineCoreRequest
 from kvik.server.state import ServerState
+from kvik.server.tracing import annotate_usage
 
 request_log = logging.getLogger("kvik.server.requests")
 
@@ -97,6 +99,7 @@ class Admission:
         if not self.released:
             self.released = True
             self.state.release(self.num_sequences)
+            annotate_usage(self.log["records"])
             log_request(self.state, status=self.status, error=self.error, **self.log)
 
 
@@ -117,6 +120,8 @@ def log_request(state: ServerState, *, request_id: str, endpoint: str, model: st
     }
     if error is not None:
         line["error"] = error
+    if tracing.enabled():
+        line["trace_id"] = tracing.current_trace_id()
     if state.config.log_prompts and prompt is not None:
         line["prompt"] = prompt
     request_log.info(json.dumps(line, ensure_ascii=False))
