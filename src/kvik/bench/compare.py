@@ -94,6 +94,22 @@ def single_stream_decode(model: str, bytes_per_token: int, prompt_len: int = 64,
     llm = LLM(model, show_progress=False, kv_cache_memory=2**30)
     llm.generate([[5] * 8], SamplingParams(max_tokens=4, ignore_eos=True))
     engine = llm.engine
+    decode_times, read_times = paired_decode_steps(engine, prompt_len, tokens, bytes_per_token)
+    size = tokens // windows
+    window_fractions = [sum(read_times[i:i + size]) / sum(decode_times[i:i + size])
+                        for i in range(0, size * windows, size)]
+    return {"decode_tokens_per_second": tokens / sum(decode_times),
+            "read_bandwidth": bytes_per_token * tokens / sum(read_times),
+            "decode_bandwidth_fraction": sum(read_times) / sum(decode_times),
+            "window_tokens": size, "window_fractions": window_fractions}
+
+
+def paired_decode_steps(engine: Any, prompt_len: int, tokens: int, bytes_per_token: int
+                        ) -> tuple[list[float], list[float]]:
+    """Decode `tokens` steps of one greedy request on `engine` (an LLMEngine), each followed by a
+    read of `bytes_per_token` bytes; returns the seconds of every step and of every read."""
+    from kvik import SamplingParams
+
     buffer = torch.ones(bytes_per_token // 4)
     buffer.sum()  # page it in
     engine.add_request("solo", list(range(3, 3 + prompt_len)),
@@ -109,13 +125,7 @@ def single_stream_decode(model: str, bytes_per_token: int, prompt_len: int = 64,
         read_times.append(time.perf_counter() - decoded)
     while engine.has_unfinished_requests():
         engine.step()
-    size = tokens // windows
-    window_fractions = [sum(read_times[i:i + size]) / sum(decode_times[i:i + size])
-                        for i in range(0, size * windows, size)]
-    return {"decode_tokens_per_second": tokens / sum(decode_times),
-            "read_bandwidth": bytes_per_token * tokens / sum(read_times),
-            "decode_bandwidth_fraction": sum(read_times) / sum(decode_times),
-            "window_tokens": size, "window_fractions": window_fractions}
+    return decode_times, read_times
 
 
 def run_decode(model: str, bytes_per_token: int, workdir: Path) -> dict[str, Any]:

@@ -58,6 +58,7 @@ def measure_format(model: str, engine_args: dict[str, Any], decode_tokens: int, 
                    prompt_len: int, prompt_repeats: int) -> dict[str, Any]:
     """One weight format, in this process: paired-read decode, then prompt throughput."""
     from kvik import LLM, SamplingParams
+    from kvik.bench.compare import paired_decode_steps
     from kvik.model.layers.kv_cache import kv_bytes_per_token
 
     llm = LLM(model, show_progress=False, kv_cache_memory=2**30, enable_prefix_caching=False, **engine_args)
@@ -69,21 +70,7 @@ def measure_format(model: str, engine_args: dict[str, Any], decode_tokens: int, 
     bytes_per_token = int(core.transforms.linear_weight_bytes + kv_token * mean_context
                           + cfg.hidden_size * 4)  # + the embedding row
     llm.generate([[5] * 8], SamplingParams(max_tokens=4, ignore_eos=True))  # warm every path
-    buffer = torch.ones(bytes_per_token // 4)
-    buffer.sum()
-    engine.add_request("solo", list(range(3, 3 + decode_prompt_len)),
-                       SamplingParams(temperature=0, max_tokens=decode_tokens + 1, ignore_eos=True))
-    engine.step()  # the prefill and the first token
-    decode_times, read_times = [], []
-    for _ in range(decode_tokens):
-        started = time.perf_counter()
-        engine.step()
-        decoded = time.perf_counter()
-        buffer.sum()
-        decode_times.append(decoded - started)
-        read_times.append(time.perf_counter() - decoded)
-    while engine.has_unfinished_requests():
-        engine.step()
+    decode_times, read_times = paired_decode_steps(engine, decode_prompt_len, decode_tokens, bytes_per_token)
     generator = torch.Generator().manual_seed(0)
     prompt_seconds = []
     for _ in range(prompt_repeats):

@@ -71,20 +71,14 @@ class EngineServer(uvicorn.Server):
         try:
             info = await engine.start()
         except EngineStartError as exc:
-            state.load_error = exc
-            logger.error("could not start the engine: %s", exc.message)
-            self.exit_code = 1
-            self.should_exit = True
+            self._start_failed(exc)
             return
         state.ready = True
         try:
             parsers = state.output_parsers()
         except KvikError as exc:  # e.g. --reasoning-parser for a model without thinking tags
             state.ready = False
-            state.load_error = exc
-            logger.error("could not start: %s", exc.message)
-            self.exit_code = 1
-            self.should_exit = True
+            self._start_failed(exc)
             return
         logger.info("tool-call parser: %s; reasoning parser: %s",
                     parsers.tools.name if parsers.tools else "none",
@@ -100,14 +94,18 @@ class EngineServer(uvicorn.Server):
         try:
             await state.models.start([first])
         except ConfigError as exc:
-            state.load_error = exc
-            logger.error("could not start the engine: %s", exc.message)
-            self.exit_code = 1
-            self.should_exit = True
+            self._start_failed(exc)
             return
         state.ready = True
         logger.info("ready in %.1fs: serving %s (%s loaded)", time.perf_counter() - started,
                     ", ".join(state.models.names), first)
+
+    def _start_failed(self, exc: KvikError) -> None:
+        """Start-up failed: /health says why (503) until the server exits with status 1."""
+        self.state.load_error = exc
+        logger.error("could not start the engine: %s", exc.message)
+        self.exit_code = 1
+        self.should_exit = True
 
     def _engine_died(self, reason: str) -> None:
         logger.error("the engine died (%s): failing requests in flight and exiting with status 1", reason)
