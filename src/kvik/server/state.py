@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from dataclasses import dataclass, field
 
 from kvik.core.errors import InvalidRequestError, ModelNotFoundError, ServiceUnavailableError
@@ -70,7 +71,8 @@ class ServerState:
     metrics: ServerMetrics = field(init=False)
     idle: asyncio.Event | None = None
     started: int = field(default_factory=lambda: int(time.time()))
-    parsers: OutputParsers | None = None
+    # Per engine (several models may have different templates); dropped with an unloaded engine.
+    parsers: weakref.WeakKeyDictionary[AsyncLLM, OutputParsers] = field(default_factory=weakref.WeakKeyDictionary)
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.config.served_model_names[0], self.engine_stats, self.config.tiers)
@@ -133,20 +135,23 @@ class ServerState:
                                   "replica", retry_after=5)
         return self.engine
 
-    def output_parsers(self) -> OutputParsers:
-        """The tool-call and reasoning parsers for this model (from the flags, or detected from its
-        chat template and vocabulary); raises ConfigError for a parser the model cannot use."""
-        if self.parsers is None:
-            tokenizer = self.require_engine().tokenizer
+    def output_parsers(self, engine: AsyncLLM | None = None) -> OutputParsers:
+        """The tool-call and reasoning parsers for `engine`'s model (default: the one model), from
+        the flags or detected from its chat template and vocabulary; raises ConfigError for a parser
+        the model cannot use."""
+        engine = engine or self.require_engine()
+        parsers = self.parsers.get(engine)
+        if parsers is None:
+            tokenizer = engine.tokenizer
             default = tokenizer.chat.default
             template = "\n".join(default.values()) if isinstance(default, dict) else (default or "")
             vocabulary = TokenVocabulary(tokenizer.backend.token_to_id, tokenizer.special_ids)
-            self.parsers = OutputParsers(
+            parsers = self.parsers[engine] = OutputParsers(
                 tools=resolve_tool_parser(self.config.tool_call_parser, template, vocabulary),
                 tool_fallback=DEFAULT_PARSER(vocabulary),
                 reasoning=resolve_reasoning_parser(self.config.reasoning_parser, template,
                                                    tokenizer.backend.token_to_id))
-        return self.parsers
+        return parsers
 
     @property
     def capacity(self) -> int:

@@ -196,7 +196,7 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest, *,
         raise InvalidRequestError("max_tokens: must be at least 1 for chat", param="max_tokens")
     processor = engine.input_processor
     tools = template_tools(body)
-    parsers = state.output_parsers()
+    parsers = state.output_parsers(engine)
     tool_plan = await plan_tools(body, parsers.tools, parsers.tool_fallback)
     wanted = requested_constraint(body)
     input_bytes = _text_bytes(messages) + (_text_bytes(tools) if tools else 0)
