@@ -48,7 +48,7 @@ def exported_metric_names() -> set[str]:
     stats = EngineStats(num_running=1, num_waiting=2, kv_cache_usage=0.5, num_blocks=10, num_free_blocks=5,
                         prefix_cache_queries=4, prefix_cache_hits=2, num_preemptions=0, prompt_tokens=4,
                         generation_tokens=8)
-    server = ServerMetrics("m", lambda: stats)
+    server = ServerMetrics("m", lambda: [("m", stats)])
     names = _sample_names(server.registry) | _sample_names(GatewayMetrics().registry)
     assert "kvik:num_requests_waiting" in names and "kvik_gateway_requests_total" in names
     return names

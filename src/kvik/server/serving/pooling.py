@@ -86,14 +86,14 @@ class PoolingServing:
         admission = Admission(self.state, window, request_id=request_id, endpoint=endpoint, model=model,
                               arrival=arrival, records=records, stream=False, prompt=None)
         try:
-            return await unless_disconnected(raw, self._encode_all(engine, requests, window))
+            return await unless_disconnected(raw, self._encode_all(engine, model, requests, window))
         except Exception as exc:
             admission.fail(getattr(exc, "http_status", 500), str(exc))
             raise
         finally:
             admission.release()
 
-    async def _encode_all(self, engine: AsyncLLM, requests: list[EngineCoreRequest], window: int
+    async def _encode_all(self, engine: AsyncLLM, model: str, requests: list[EngineCoreRequest], window: int
                           ) -> list[PoolingRequestOutput]:
         """Every request through the engine, at most `window` at once; the first failure cancels
         (and so aborts) the rest."""
@@ -103,11 +103,11 @@ class PoolingServing:
         async def one(request: EngineCoreRequest) -> PoolingRequestOutput:
             async with slots:
                 result = await engine.encode(request)
-            now = time.time()
-            metrics.e2e_latency.observe(now - request.arrival_time)
+            now, tier = time.time(), metrics.tier(request.priority)
+            metrics.e2e_latency(model, tier, now - request.arrival_time)
             if result.metrics and result.metrics.first_scheduled_time:
-                metrics.queue_time.observe(max(0.0, result.metrics.first_scheduled_time - request.arrival_time))
-            metrics.finished("stop")
+                metrics.queue_time(model, tier, max(0.0, result.metrics.first_scheduled_time - request.arrival_time))
+            metrics.finished("stop", model)
             return result
 
         tasks = [asyncio.ensure_future(one(r)) for r in requests]
