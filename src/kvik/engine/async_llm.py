@@ -139,12 +139,8 @@ class AsyncLLM:
                        ) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs (in `request.params.output_kind`). Closing the iterator
         early aborts the request in the core."""
-        self._require_alive()
         request_id = request.request_id
-        if request_id in self._queues:
-            raise KvikError(f"request id {request_id!r} is already in use")
-        queue: asyncio.Queue[Any] = asyncio.Queue()
-        self._queues[request_id] = queue
+        queue = self._open_queue(request_id)
         state = self.output_processor.add_request(request_id, prompt, request.prompt_token_ids, request.params,
                                                   request.arrival_time)
         span = request_spans.start_generate_span(request_id, len(request.prompt_token_ids),
@@ -172,15 +168,20 @@ class AsyncLLM:
             if not finished:
                 await self.abort(request_id)
 
-    async def encode(self, request: EngineCoreRequest) -> PoolingRequestOutput:
-        """Run a pooling request (`request.pooling` set) and return its vector. Cancelling the
-        call aborts the request in the core."""
+    def _open_queue(self, request_id: str) -> asyncio.Queue[Any]:
+        """The queue the output loop fills for `request_id` (refused on a dead engine or a reused id)."""
         self._require_alive()
-        request_id = request.request_id
         if request_id in self._queues:
             raise KvikError(f"request id {request_id!r} is already in use")
         queue: asyncio.Queue[Any] = asyncio.Queue()
         self._queues[request_id] = queue
+        return queue
+
+    async def encode(self, request: EngineCoreRequest) -> PoolingRequestOutput:
+        """Run a pooling request (`request.pooling` set) and return its vector. Cancelling the
+        call aborts the request in the core."""
+        request_id = request.request_id
+        queue = self._open_queue(request_id)
         self.output_processor.add_pooling_request(request_id, request.prompt_token_ids, request.arrival_time)
         finished = False
         try:
