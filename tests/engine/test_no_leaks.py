@@ -16,17 +16,15 @@ def assert_no_leaks(engine) -> None:
     assert pool.num_free_blocks == pool.num_blocks  # every block free (cached ones are evictable)
 
 
-def test_random_mix_of_finish_abort_and_preemption(tiny_llama):
-    # A pool of 24 blocks of 4 tokens for up to 12 sequences forces preemption.
-    llm = LLM(str(tiny_llama), show_progress=False, block_size=4, max_model_len=64,
-              kv_cache_memory=24 * 4096, max_num_seqs=12, max_num_batched_tokens=48)
-    engine = llm.engine
-    rng = random.Random(0)
+def drive_random_mix(engine, rng: random.Random, steps: int, make_prompt) -> None:
+    """Step `engine` through a random mix of requests (greedy and sampled, n of 1 or 2, stop strings,
+    ignore_eos) that finish, get aborted, or get preempted by a small pool; then drain it. The block
+    pool's invariants are checked after every step. `make_prompt(rng)` draws a prompt's token ids."""
     live: list[str] = []
-    for step in range(150):
+    for step in range(steps):
         if rng.random() < 0.5 and len(live) < 20:
             request_id = f"req{step}"
-            prompt = [rng.randrange(1, 500) for _ in range(rng.randrange(1, 30))]
+            prompt = make_prompt(rng)
             params = SamplingParams(temperature=rng.choice([0, 1.0]), n=rng.choice([1, 1, 2]),
                                     max_tokens=rng.randrange(1, 30), ignore_eos=rng.random() < 0.5,
                                     stop=["e"] if rng.random() < 0.3 else [],
@@ -41,6 +39,15 @@ def test_random_mix_of_finish_abort_and_preemption(tiny_llama):
         engine.core.kv.pool.check_invariants()
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def test_random_mix_of_finish_abort_and_preemption(tiny_llama):
+    # A pool of 24 blocks of 4 tokens for up to 12 sequences forces preemption.
+    llm = LLM(str(tiny_llama), show_progress=False, block_size=4, max_model_len=64,
+              kv_cache_memory=24 * 4096, max_num_seqs=12, max_num_batched_tokens=48)
+    engine = llm.engine
+    drive_random_mix(engine, random.Random(0), 150,
+                     lambda rng: [rng.randrange(1, 500) for _ in range(rng.randrange(1, 30))])
     assert engine.core.scheduler.num_preemptions > 0
     assert_no_leaks(engine)
 

@@ -22,8 +22,7 @@ from scipy import stats
 
 from kvik import LLM, SamplingParams
 from kvik.core.errors import ConfigError
-from kvik.core.sampling_params import OutputKind
-from tests.engine.test_no_leaks import assert_no_leaks
+from tests.engine.test_no_leaks import assert_no_leaks, drive_random_mix
 from tests.engine.test_parity import MAX_NEW, PROMPTS, SHARED_PREFIX, _block_bytes, assert_matches
 from tests.reference import hf_greedy, hf_model
 
@@ -258,27 +257,12 @@ def test_no_block_leaks_after_a_random_mix_with_speculation(proposer, target, sp
     llm = LLM(str(target), show_progress=False, block_size=4, max_model_len=64, kv_cache_memory=24 * per_block,
               max_num_seqs=12, max_num_batched_tokens=48, **args)
     engine = llm.engine
-    rng = random.Random(1)
-    live: list[str] = []
-    for step in range(120):
-        if rng.random() < 0.5 and len(live) < 20:
-            request_id = f"req{step}"
-            # Repetitive prompts so the lookup proposes often.
-            pattern = [rng.randrange(1, 500) for _ in range(rng.randrange(1, 4))]
-            prompt = (pattern * 30)[:rng.randrange(2, 30)]
-            params = SamplingParams(temperature=rng.choice([0, 1.0]), n=rng.choice([1, 1, 2]),
-                                    max_tokens=rng.randrange(1, 30), ignore_eos=rng.random() < 0.5,
-                                    stop=["e"] if rng.random() < 0.3 else [], output_kind=OutputKind.DELTA)
-            engine.add_request(request_id, prompt, params)
-            live.append(request_id)
-        if live and rng.random() < 0.15:
-            engine.abort_request(live.pop(rng.randrange(len(live))))
-        for output in engine.step():
-            if output.finished and output.request_id in live:
-                live.remove(output.request_id)
-        engine.core.kv.pool.check_invariants()
-    while engine.has_unfinished_requests():
-        engine.step()
+    def repetitive_prompt(rng: random.Random) -> list[int]:
+        # Repetitive prompts so the lookup proposes often.
+        pattern = [rng.randrange(1, 500) for _ in range(rng.randrange(1, 4))]
+        return (pattern * 30)[:rng.randrange(2, 30)]
+
+    drive_random_mix(engine, random.Random(1), 120, repetitive_prompt)
     assert engine.core.scheduler.num_preemptions > 0
     drafted, accepted = spec_stats(llm)
     assert drafted > 0 and accepted > 0
