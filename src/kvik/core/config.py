@@ -58,8 +58,18 @@ class EngineArgs:
     speculative_adaptive: bool = True  # False: always propose num_speculative_tokens
     # fcfs: arrival order. priority: requests' `priority` tiers, then fair share between tenants.
     scheduling_policy: str = "priority"
+    # Multi-LoRA serving (kvik.engine.lora_manager): adapters to load at start as "name=path" (a
+    # {name: path} dict is accepted too), slots in device memory, the largest rank, and adapters
+    # kept in CPU memory (None: every loaded one).
+    enable_lora: bool = False
+    lora_modules: list[str] | None = None
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.lora_modules, dict):
+            self.lora_modules = [f"{name}={path}" for name, path in self.lora_modules.items()]
         if isinstance(self.kv_cache_memory, str):  # the Python API takes the CLI's sizes too
             try:
                 self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
@@ -109,6 +119,28 @@ class EngineArgs:
         if self.kv_cache_memory is not None and self.kv_cache_fraction is not None:
             raise ConfigError("kv_cache_memory and kv_cache_fraction: give one, not both")
         self._validate_speculative()
+        self._validate_lora()
+
+    def lora_module_pairs(self) -> list[tuple[str, str]]:
+        """--lora-modules as (name, path) pairs."""
+        pairs = []
+        for item in self.lora_modules or []:
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path:
+                raise ConfigError(f"lora_modules: {item!r} is not NAME=PATH")
+            pairs.append((name, path))
+        return pairs
+
+    def _validate_lora(self) -> None:
+        if self.lora_modules and not self.enable_lora:
+            raise ConfigError("lora_modules: adapters need enable_lora (--enable-lora)")
+        names = [name for name, _ in self.lora_module_pairs()]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"lora_modules: adapter names repeat ({', '.join(names)})")
+        for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name}: must be at least 1, got {value}")
 
     def _validate_speculative(self) -> None:
         method = self.speculative_method
@@ -205,6 +237,22 @@ class EngineArgs:
                                 "first; better tiers preempt worse ones), then fair share of tokens "
                                 "between tenants; fcfs: arrival order only")
 
+        lora = parser.add_argument_group("LoRA adapters")
+        lora.add_argument("--enable-lora", action="store_true",
+                          help="serve LoRA adapters on the base model (Llama family); a request picks "
+                               "one by its `model` field, and requests for different adapters share a batch")
+        lora.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                          help="adapters to load at start: PEFT adapter directories (adapter_config.json + "
+                               "adapter_model.safetensors, what `kvik train` writes), served as NAME")
+        lora.add_argument("--max-loras", type=int, default=4,
+                          help="adapters held in device memory at once (default: 4); others wait in CPU "
+                               "memory and take the least recently used idle slot when requested")
+        lora.add_argument("--max-lora-rank", type=int, default=16,
+                          help="largest adapter rank accepted (default: 16); smaller ranks are zero-padded")
+        lora.add_argument("--max-cpu-loras", type=int, default=None,
+                          help="adapters kept in CPU memory (default: all loaded ones); others are read "
+                               "from their directory again when needed")
+
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, default_model: str | None = None) -> EngineArgs:
         values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
@@ -223,8 +271,9 @@ _FIELD_TYPES: dict[str, Any] = {
     "quantization_group_size": int, "quantization_zero_point": bool, "kv_cache_dtype": str,
     "speculative_method": str, "num_speculative_tokens": int, "speculative_model": str,
     "prompt_lookup_min": int, "prompt_lookup_max": int, "speculative_adaptive": bool, "scheduling_policy": str,
+    "enable_lora": bool, "lora_modules": list, "max_loras": int, "max_lora_rank": int, "max_cpu_loras": int,
 }
-_TYPE_NAMES = {str: "a string", int: "an integer", bool: "true or false"}
+_TYPE_NAMES = {str: "a string", int: "an integer", bool: "true or false", list: "a list"}
 
 _BYTES = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,

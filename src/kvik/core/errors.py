@@ -154,3 +154,22 @@ class QuotaExceededError(KvikError):
     http_status = 429
     error_type = "insufficient_quota"
     code = "insufficient_quota"
+
+
+# Added for multi-LoRA serving.
+
+
+class ConflictError(KvikError):
+    """The request conflicts with the current state (HTTP 409): e.g. unloading an adapter that
+    running requests use, or loading one under a name already taken."""
+
+    http_status = 409
+    error_type = "invalid_request_error"
+    code = "conflict"
+
+
+class LoRAAdapterError(InvalidRequestError):
+    """A LoRA adapter cannot be served: not PEFT LoRA, rank above --max-lora-rank, or a base model
+    it was not trained for (HTTP 400)."""
+
+    code = "invalid_lora_adapter"

@@ -24,13 +24,15 @@ import time
 import torch
 
 from kvik.core.config import EngineArgs
-from kvik.core.errors import ConfigError, InsufficientMemoryError, InvalidRequestError
+from kvik.core.errors import ConfigError, InsufficientMemoryError, InvalidRequestError, KvikError
 from kvik.core.pooling_params import PoolingParams
 from kvik.core.sampling_params import SamplingParams
 from kvik.core.tokenizer import TokenizerSpec
 from kvik.engine.device import default_kv_fraction, free_memory_bytes, select_device, select_dtype
 from kvik.engine.kv_manager import KVCacheManager
-from kvik.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineInfo, EngineStats, PoolingInfo
+from kvik.engine.lora_manager import AdapterManager
+from kvik.engine.messages import (EngineCoreOutput, EngineCoreRequest, EngineInfo, EngineStats, LoRAAdapterInfo,
+                                  PoolingInfo)
 from kvik.engine.model_runner import ModelRunner
 from kvik.engine.request import Request, RequestGroup, RequestStatus
 from kvik.engine.sampler import Sampler, prompt_logprobs_for
@@ -38,6 +40,7 @@ from kvik.engine.scheduler import SampledTokens, Scheduler
 from kvik.engine.spec_decode import SpecDecoder, build_spec_decoder
 from kvik.engine.structured.matcher import GrammarBackend
 from kvik.engine.scheduling_policy import make_policy
+from kvik.model.lora import LoRAModel, enable_lora
 from kvik.model.loader import load_model, load_model_config, resolve_model_path
 from kvik.model.models.registry import model_class as architecture_class
 from kvik.model.pooling import LAST, label_names, load_pooling_config
@@ -86,6 +89,24 @@ class EngineCore:
         self.cpu_kernels = self.transforms.kernels
         self.weight_bytes = self.transforms.weight_bytes
         logger.info("precision: %s (%.1f MiB of weights)", self.precision.describe(), self.weight_bytes / 2**20)
+        # Multi-LoRA serving: the target linears become LoRA-aware wrappers of whatever the passes
+        # left (float32, oneDNN-packed or quantized), with --max-loras slots of adapter weights.
+        self.adapters: AdapterManager | None = None
+        lora_model: LoRAModel | None = None
+        if args.enable_lora:
+            if "generate" not in self.tasks:
+                raise ConfigError(f"enable_lora: {cfg.architecture} does not generate text; LoRA adapters "
+                                  "are served on generative models")
+            lora_model = enable_lora(self.model, args.max_loras, args.max_lora_rank, self.dtype, self.device)
+            self.adapters = AdapterManager(lora_model, args.max_cpu_loras)
+            self.weight_bytes += lora_model.nbytes
+            logger.info("LoRA: %d slots of rank %d (%.1f MiB)", args.max_loras, args.max_lora_rank,
+                        lora_model.nbytes / 2**20)
+            for name, lora_path in args.lora_module_pairs():
+                try:
+                    self.adapters.add(name, lora_path)
+                except KvikError as exc:
+                    raise ConfigError(f"lora_modules: {name}={lora_path}: {exc.message}") from None
         # Speculative decoding; a draft model loads now, so its weights and KV share the budget.
         if args.speculative_method is not None and "generate" not in self.tasks:
             raise ConfigError(f"speculative_method: {cfg.architecture} does not generate text "
@@ -101,13 +122,14 @@ class EngineCore:
         self.runner = ModelRunner(self.model, num_blocks=num_blocks, block_size=args.block_size,
                                   num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
                                   head_dim=cfg.head_dim, device=self.device,
-                                  kv_cache_dtype=self.precision.kv_cache_dtype, pooling=self.pooling)
+                                  kv_cache_dtype=self.precision.kv_cache_dtype, pooling=self.pooling,
+                                  lora=lora_model)
         spec_eos = [self.tokenizer_spec.eos_token_id] if self.tokenizer_spec.eos_token_id is not None else []
         self.eos_token_ids = list(dict.fromkeys(cfg.eos_token_ids + spec_eos))
         self.scheduler = Scheduler(self.kv, args.max_num_seqs, self.max_num_batched_tokens,
                                    args.enable_chunked_prefill, eos_token_ids=frozenset(self.eos_token_ids),
                                    max_model_len=self.max_model_len, uses_kv_cache=self.uses_kv_cache,
-                                   policy=make_policy(args.scheduling_policy))
+                                   policy=make_policy(args.scheduling_policy), adapters=self.adapters)
         # Structured outputs: llguidance's tokenizer view is built in the background now, so no
         # request waits for it and requests without constraints never touch it.
         self.grammars = GrammarBackend(self.tokenizer_spec.backend_json, cfg.vocab_size,
@@ -193,7 +215,10 @@ class EngineCore:
             device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
             weight_bytes=self.weight_bytes, tokenizer=self.tokenizer_spec, tasks=list(self.tasks),
             pooling=self._pooling_info(), precision=self.precision.describe(),
-            kv_cache_bytes=self.kv_cache_bytes)
+            kv_cache_bytes=self.kv_cache_bytes, enable_lora=self.adapters is not None,
+            max_loras=self.args.max_loras if self.adapters else 0,
+            max_lora_rank=self.args.max_lora_rank if self.adapters else 0,
+            lora_adapters=self.adapters.list() if self.adapters else [])
 
     def _pooling_info(self) -> PoolingInfo | None:
         if not any(task in self.tasks for task in ("embed", "classify")):
@@ -233,7 +258,11 @@ class EngineCore:
         if not token_ids or len(token_ids) >= limit or any(not 0 <= t < vocab for t in token_ids):
             raise InvalidRequestError(f"request {request_id}: prompt is empty, too long or has token ids "
                                       "outside the vocabulary", param="prompt")
+        lora_id = self._lora_id(request)
         if pooling is not None:
+            if lora_id:
+                raise InvalidRequestError(f"request {request_id}: LoRA adapters serve generation, not "
+                                          f"{task}", param="model")
             self._add_pooling_request(request, pooling)
             return
         max_tokens = min(request.max_tokens, self.max_model_len - len(token_ids))
@@ -241,7 +270,7 @@ class EngineCore:
         group = RequestGroup(request_id, list(token_ids), params, request.arrival_time,
                              cache_salt=request.cache_salt.encode() if request.cache_salt else b"",
                              salt_from_token=request.salt_from_token, priority=request.priority,
-                             tenant=request.tenant, tenant_weight=request.tenant_weight)
+                             tenant=request.tenant, tenant_weight=request.tenant_weight, lora_id=lora_id)
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None]
         for index in range(params.n):
@@ -260,6 +289,38 @@ class EngineCore:
             self.scheduler.add(sequence)
         self.groups[request_id] = group
         self.prompt_tokens_total += len(token_ids)
+
+    def _lora_id(self, request: EngineCoreRequest) -> int:
+        if request.lora_name is None:
+            return 0
+        if self.adapters is None:
+            raise InvalidRequestError(f"request {request.request_id}: LoRA adapter {request.lora_name!r} "
+                                      "requested, but this engine serves none (--enable-lora)", param="model")
+        try:
+            return self.adapters.entry(request.lora_name).lora_id
+        except KvikError as exc:
+            raise InvalidRequestError(f"request {request.request_id}: {exc.message}", param="model") from None
+
+    # -- LoRA adapters (utility calls) --
+
+    def add_lora(self, name: str, path: str) -> LoRAAdapterInfo:
+        """Register a PEFT adapter directory under `name` (checked against the base model)."""
+        return self._require_adapters().add(name, path)
+
+    def remove_lora(self, name: str) -> bool:
+        """Forget an adapter; refused (ConflictError) while requests use it."""
+        adapters = self._require_adapters()
+        lora_id = adapters.entry(name).lora_id
+        adapters.remove(name, in_use=any(g.lora_id == lora_id for g in self.groups.values()))
+        return True
+
+    def list_loras(self) -> list[LoRAAdapterInfo]:
+        return self._require_adapters().list() if self.adapters is not None else []
+
+    def _require_adapters(self) -> AdapterManager:
+        if self.adapters is None:
+            raise InvalidRequestError("this server does not serve LoRA adapters; start it with --enable-lora")
+        return self.adapters
 
     def _add_pooling_request(self, request: EngineCoreRequest, pooling: PoolingParams) -> None:
         token_ids = list(request.prompt_token_ids)
@@ -320,7 +381,12 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
-            return []
+            failed = self.scheduler.take_failed()  # sequences whose adapter could not be loaded
+            for output in failed:
+                group = self.groups.get(output.request_id)
+                if group is not None and group.finished:
+                    del self.groups[output.request_id]
+            return failed
         result = self.runner.execute(scheduled.chunks)
         for piece in result.prompt_slices:
             request = piece.chunk.request
@@ -343,6 +409,7 @@ class EngineCore:
         pooled = {chunk.request: float32_bytes(vector) for chunk, vector in result.pooled}
         outputs = self.scheduler.update_from_output(scheduled, new_tokens, pooled)
         outputs.extend(failed)
+        outputs.extend(self.scheduler.take_failed())
         for output in outputs:
             self.generation_tokens_total += len(output.new_token_ids)
             group = self.groups.get(output.request_id)

@@ -24,9 +24,11 @@ import zmq
 import zmq.asyncio
 
 from kvik.core.config import EngineArgs
+from kvik.core import errors
 from kvik.core.errors import ConfigError, KvikError
 from kvik.engine.messages import (AbortRequests, EngineCoreOutputs, EngineCoreRequest, EngineInfo,
-                                  Shutdown, StartupFailed, UtilityCall, output_decoder, startup_decoder)
+                                  Shutdown, StartupFailed, UtilityCall, UtilityResult, output_decoder,
+                                  startup_decoder)
 
 logger = logging.getLogger("kvik.engine")
 
@@ -138,7 +140,7 @@ class EngineCoreClient:
                 future = self._calls.pop(message.utility.call_id, None)
                 if future is not None and not future.done():
                     if message.utility.error:
-                        future.set_exception(KvikError(message.utility.error))
+                        future.set_exception(utility_error(message.utility))
                     else:
                         future.set_result(message.utility.result)
             try:
@@ -188,3 +190,11 @@ class EngineCoreClient:
         self._calls[call_id] = future
         await self.inputs.send(self.encoder.encode(UtilityCall(call_id, method, list(args))))
         return await future
+
+
+def utility_error(result: UtilityResult) -> KvikError:
+    """The typed error a utility call raised in the core (a plain KvikError for anything else)."""
+    cls = getattr(errors, result.error_type or "", None)
+    if not (isinstance(cls, type) and issubclass(cls, KvikError)):
+        cls = KvikError
+    return cls(result.error or "engine utility call failed", param=result.error_param)

@@ -33,7 +33,7 @@ from kvik.engine.messages import (AbortRequests, EngineCoreOutput, EngineCoreOut
 logger = logging.getLogger("kvik.engine")
 
 IDLE_POLL_MS = 1000
-UTILITY_METHODS = frozenset({"reset_prefix_cache", "stats"})
+UTILITY_METHODS = frozenset({"reset_prefix_cache", "stats", "add_lora", "remove_lora", "list_loras"})
 
 
 def run_engine_core(args: EngineArgs, input_address: str, output_address: str,
@@ -134,6 +134,9 @@ class EngineCoreLoop:
             return UtilityResult(call.call_id, error=f"unknown engine method {call.method!r}")
         try:
             return UtilityResult(call.call_id, getattr(self.core, call.method)(*call.args))
+        except KvikError as exc:  # typed: the front end raises the same class
+            return UtilityResult(call.call_id, error=exc.message, error_type=type(exc).__name__,
+                                 error_param=exc.param)
         except Exception as exc:  # noqa: BLE001 - reported to the caller
             return UtilityResult(call.call_id, error=f"{type(exc).__name__}: {exc}")
 

@@ -93,9 +93,11 @@ class InputProcessor:
     def make_request(self, request_id: str, token_ids: list[int], params: SamplingParams,
                      arrival_time: float, *, max_tokens: int | None = None, cache_salt: str | None = None,
                      salt_from_token: int = 0, where: str = "prompt", priority: int = 0,
-                     tenant: str = "", tenant_weight: float = 1.0) -> EngineCoreRequest:
+                     tenant: str = "", tenant_weight: float = 1.0, lora_name: str | None = None
+                     ) -> EngineCoreRequest:
         """The core's request for validated token ids. `max_tokens` defaults to the params' value
-        capped to the context. `priority` (lower first) and `tenant` (fair share) steer scheduling."""
+        capped to the context. `priority` (lower first) and `tenant` (fair share) steer scheduling;
+        `lora_name` picks a LoRA adapter the core serves (None: the base model)."""
         self.check_task("generate")
         self.validate_prompt(token_ids, where)
         constraint = params.structured_outputs
@@ -109,7 +111,7 @@ class InputProcessor:
             max_tokens = self.resolve_max_tokens(params.max_tokens, len(token_ids), where, strict=False)
         return EngineCoreRequest(request_id, list(token_ids), params, max_tokens, arrival_time,
                                  cache_salt=cache_salt, salt_from_token=salt_from_token, priority=priority,
-                                 tenant=tenant, tenant_weight=tenant_weight)
+                                 tenant=tenant, tenant_weight=tenant_weight, lora_name=lora_name)
 
     def make_pooling_request(self, request_id: str, token_ids: list[int], pooling: PoolingParams,
                              arrival_time: float, *, where: str = "input", priority: int = 0,

@@ -50,8 +50,10 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate for every prompt (strings or token-id lists); outputs come in prompt order."""
+                 use_tqdm: bool = False, lora: str | Sequence[str | None] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (strings or token-id lists); outputs come in prompt order.
+        `lora`: with enable_lora, the adapter name for all prompts or one name (None: the base
+        model) per prompt; different adapters share the batch."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
                                          and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt, not a batch
@@ -65,11 +67,19 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise InvalidRequestError(f"sampling_params: {len(params_list)} given for "
                                           f"{len(prompts)} prompts; give one or one per prompt")
+        if lora is None or isinstance(lora, str):
+            lora_names = [lora] * len(prompts)
+        else:
+            lora_names = list(lora)
+            if len(lora_names) != len(prompts):
+                raise InvalidRequestError(f"lora: {len(lora_names)} names given for {len(prompts)} prompts; "
+                                          "give one or one per prompt")
         request_ids = []
         try:
-            for prompt, params in zip(prompts, params_list):
+            for prompt, params, lora_name in zip(prompts, params_list, lora_names):
                 request_id = str(next(self._ids))
-                self.engine.add_request(request_id, prompt, params.clone(output_kind=OutputKind.FINAL_ONLY))
+                self.engine.add_request(request_id, prompt, params.clone(output_kind=OutputKind.FINAL_ONLY),
+                                        lora_name=lora_name)
                 request_ids.append(request_id)
         except Exception:
             for request_id in request_ids:  # leave the engine as we found it
@@ -94,6 +104,13 @@ class LLM:
         for output, text in zip(outputs, texts):
             output.prompt = text
         return outputs
+
+    def load_lora_adapter(self, name: str, path: str) -> Any:
+        """Serve the PEFT adapter directory `path` as `name` (needs enable_lora)."""
+        return self.engine.core.add_lora(name, path)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        self.engine.core.remove_lora(name)
 
     def update_weights(self, named_tensors: Any) -> Any:
         """Load new weights in place, without files: `named_tensors` maps HF checkpoint names to

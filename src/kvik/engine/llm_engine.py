@@ -37,13 +37,14 @@ class LLMEngine:
         return self.info.max_model_len
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, lora_name: str | None = None) -> None:
         if request_id in self.output_processor.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         arrival_time = arrival_time or time.time()
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.input_processor.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        request = self.input_processor.make_request(request_id, token_ids, params, arrival_time)
+        request = self.input_processor.make_request(request_id, token_ids, params, arrival_time,
+                                                    lora_name=lora_name)
         self.core.add_request(request)
         self.output_processor.add_request(request_id, text, token_ids, params, arrival_time)
 

@@ -41,6 +41,9 @@ class EngineCoreRequest(msgspec.Struct, tag="add", omit_defaults=True):
     # A pooling request (embed, classify): the prompt is computed once and its pooled hidden state
     # comes back instead of tokens; `params` and `max_tokens` are then unused.
     pooling: PoolingParams | None = None
+    # Multi-LoRA serving: the adapter (registered with the core by this name) that computes this
+    # request; None for the base model.
+    lora_name: str | None = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -121,6 +124,21 @@ class UtilityResult(msgspec.Struct, array_like=True):
     call_id: int
     result: object = None
     error: str | None = None
+    # A KvikError's class name (kvik.core.errors) and param, so the front end raises the same typed
+    # error (and the server answers with its HTTP status) instead of a 500.
+    error_type: str | None = None
+    error_param: str | None = None
+
+
+class LoRAAdapterInfo(msgspec.Struct):
+    """A LoRA adapter the core serves (kvik.engine.lora_manager)."""
+
+    name: str
+    lora_id: int  # unique per registration; part of the prefix-cache hash
+    path: str
+    rank: int
+    target_modules: list[str]
+    created: int  # unix seconds
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -162,6 +180,11 @@ class EngineInfo(msgspec.Struct, tag="info"):
     pooling: PoolingInfo | None = None
     # What the weights, activations and KV cache are stored in (kvik.model.quant.Precision.describe).
     precision: str = ""
+    # Multi-LoRA serving (--enable-lora): the slots, the largest rank, and the adapters at start.
+    enable_lora: bool = False
+    max_loras: int = 0
+    max_lora_rank: int = 0
+    lora_adapters: list[LoRAAdapterInfo] = msgspec.field(default_factory=list)
 
 
 class StartupFailed(msgspec.Struct, tag="failed"):

@@ -24,6 +24,7 @@ from kvik.engine.device import advise_huge_pages
 from kvik.engine.scheduler import ScheduledChunk
 from kvik.model.layers.attention import AttentionMetadata, PrefillSpan
 from kvik.model.layers.kv_cache import PagedKVCache, kv_bytes_per_token
+from kvik.model.lora import LoRAModel
 from kvik.model.pooling import PoolingConfig, PoolSpan, finish_embeddings, pool
 from kvik.model.transforms import bind_kv_cache
 
@@ -62,8 +63,9 @@ class RunnerOutput:
 class ModelRunner:
     def __init__(self, model: nn.Module, *, num_blocks: int, block_size: int, num_layers: int,
                  num_kv_heads: int, head_dim: int, device: torch.device, kv_cache_dtype: torch.dtype,
-                 pooling: PoolingConfig | None = None) -> None:
+                 pooling: PoolingConfig | None = None, lora: LoRAModel | None = None) -> None:
         self.model = model
+        self.lora = lora  # LoRA slots' view of the model (multi-LoRA serving), or None
         self.block_size = block_size
         self.device = device
         self.pooling = pooling
@@ -91,10 +93,21 @@ class ModelRunner:
         # Without a KV cache a one-token prompt is a (tiny) prefill: there is nothing to decode from.
         decodes = [c for c in chunks if (c.num_new_tokens == 1 or c.spec_token_ids) and self.has_kv_cache]
         prefills = [c for c in chunks if not ((c.num_new_tokens == 1 or c.spec_token_ids) and self.has_kv_cache)]
+        if self.lora is not None:
+            # Each adapter's tokens in one run of decodes and one of prefills: the LoRA layers add
+            # them segment by segment (the order of chunks matters to nothing else).
+            decodes.sort(key=lambda c: c.request.lora_slot)
+            prefills.sort(key=lambda c: c.request.lora_slot)
         ordered = decodes + prefills
         input_ids, positions, slots = self._flat_inputs(decodes, prefills)
         meta = self._attention_metadata(decodes, prefills, slots)
-        hidden = self.model(input_ids, positions, meta)
+        if self.lora is not None:
+            self.lora.context.segments = lora_segments(ordered)
+        try:
+            hidden = self.model(input_ids, positions, meta)
+        finally:
+            if self.lora is not None:
+                self.lora.context.segments = []
 
         # Rows to compute logits for: one per completed sequence, every row from the last known
         # token on of chunks with drafts, then prompt-logprob positions.
@@ -221,3 +234,18 @@ class ModelRunner:
             meta.prefills.append(span)
             offset += chunk.num_new_tokens
         return meta
+
+
+def lora_segments(ordered: list[ScheduledChunk]) -> list[tuple[int, int, int]]:
+    """(first row, end row, slot) runs of tokens that use an adapter, over the flat batch."""
+    segments: list[tuple[int, int, int]] = []
+    offset = 0
+    for chunk in ordered:
+        slot, end = chunk.request.lora_slot, offset + chunk.num_new_tokens
+        if slot >= 0:
+            if segments and segments[-1][1] == offset and segments[-1][2] == slot:
+                segments[-1] = (segments[-1][0], end, slot)
+            else:
+                segments.append((offset, end, slot))
+        offset = end
+    return segments

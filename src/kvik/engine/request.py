@@ -59,6 +59,9 @@ class RequestGroup:
     priority: int = 0
     tenant: str = ""
     tenant_weight: float = 1.0
+    # Multi-LoRA serving: the adapter's registration id (kvik.engine.lora_manager), 0 for the base
+    # model. Part of every prefix-cache block's hash: adapters never share KV.
+    lora_id: int = 0
 
     @property
     def finished(self) -> bool:
@@ -103,6 +106,8 @@ class Request:
     spec_state: Any = None
     finish_reason: str | None = None
     stop_reason: int | None = None
+    # The LoRA slot this sequence pinned at admission (kvik.engine.lora_manager), -1 for none.
+    lora_slot: int = -1
 
     @property
     def num_tokens(self) -> int:
@@ -122,11 +127,13 @@ class Request:
 
     def block_hash_extra(self, block_index: int, block_size: int) -> bytes:
         """What separates this sequence's block `block_index` from other tenants' in the prefix
-        cache: the salt, once the block reaches past the shared leading tokens."""
+        cache: the salt, once the block reaches past the shared leading tokens; and the LoRA
+        adapter, from the first block (its KV differs from the base model's everywhere)."""
         group = self.group
+        extra = b"lora:%d;" % group.lora_id if group.lora_id else b""
         if group.cache_salt and (block_index + 1) * block_size > group.salt_from_token:
-            return group.cache_salt
-        return b""
+            return extra + group.cache_salt
+        return extra
 
 
 def check_stop(request: Request, token_id: int, eos_token_ids: frozenset[int],

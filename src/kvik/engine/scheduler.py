@@ -40,7 +40,9 @@ import time
 from collections import Counter, deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
+from kvik.core.errors import KvikError
 from kvik.engine.kv_manager import KVCacheManager
 from kvik.engine.messages import EngineCoreOutput, TokenLogprobs
 from kvik.engine.request import Request, RequestStatus, check_stop
@@ -96,8 +98,12 @@ class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True, *, eos_token_ids: frozenset[int] = frozenset(),
                  max_model_len: int = 2**31, uses_kv_cache: bool = True,
-                 policy: FcfsPolicy | None = None) -> None:
+                 policy: FcfsPolicy | None = None, adapters: Any = None) -> None:
         self.kv = kv
+        # LoRA slots (kvik.engine.lora_manager.AdapterManager), when adapters are served: a sequence
+        # pins its adapter's slot from admission until it leaves the running batch.
+        self.adapters = adapters
+        self.failed: list[EngineCoreOutput] = []  # sequences ended at admission, for the core to report
         self.uses_kv_cache = uses_kv_cache
         self.policy = policy or FcfsPolicy()
         self.eos_token_ids = eos_token_ids
@@ -151,6 +157,9 @@ class Scheduler:
             if leader is not None and not self._prompt_computed(leader):
                 continue  # a sibling of an n>1 request: admitted once the prompt's blocks are cached
             request.wait_for_prompt_of = None
+            lora_id = request.group.lora_id
+            if lora_id and not self.adapters.can_acquire(lora_id):
+                continue  # every slot holds an adapter running sequences use; others may go first
             whole = request.needs_whole_prompt
             hit = (self.kv.find_cached_prefix(request)
                    if request.num_computed_tokens == 0 and not whole and self.uses_kv_cache else None)
@@ -166,6 +175,8 @@ class Scheduler:
                 if freed is None:
                     return  # nobody overtakes the head of the queue for blocks
                 budget += freed
+            if lora_id and not self._pin_adapter(request):
+                continue
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = hit_tokens
                 if self.uses_kv_cache:
@@ -178,6 +189,29 @@ class Scheduler:
             out.chunks.append(ScheduledChunk(request, num_new, request.num_computed_tokens,
                                              self.kv.block_ids(request)))
             budget -= num_new
+
+    def _pin_adapter(self, request: Request) -> bool:
+        """Give an admitted sequence its adapter's slot; if the adapter can no longer be loaded (its
+        directory changed since it was registered), the sequence fails alone."""
+        try:
+            request.lora_slot = self.adapters.acquire(request.group.lora_id)
+            return True
+        except KvikError as exc:
+            request.finish_reason = RequestStatus.FINISHED_ERROR.value
+            self.finish(request, RequestStatus.FINISHED_ERROR)
+            output = self._output(request, [], None, None)
+            output.error = exc.message
+            self.failed.append(output)
+            return False
+
+    def take_failed(self) -> list[EngineCoreOutput]:
+        failed, self.failed = self.failed, []
+        return failed
+
+    def _release_adapter(self, request: Request) -> None:
+        if request.lora_slot >= 0:
+            self.adapters.release(request.group.lora_id)
+            request.lora_slot = -1
 
     def _admission_order(self) -> Iterator[Request]:
         """The policy's order; lazily, since admitting one request may change who is next."""
@@ -238,6 +272,7 @@ class Scheduler:
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
         self.kv.free(request)
+        self._release_adapter(request)
         request.num_computed_tokens = 0
         request.spec_token_ids.clear()
         request.status = RequestStatus.PREEMPTED
@@ -255,6 +290,7 @@ class Scheduler:
         if not request.status.finished:
             self.policy.on_leave(request)
         request.status = status
+        self._release_adapter(request)
         if request in self.running:
             self.running.remove(request)
         else:

@@ -27,7 +27,8 @@ DECODE_STACK_MAX_ROWS = 4
 class DecodeStackModel(nn.Module):
     """Wraps a LlamaModel; `decode_stack` is the compiled stack of all its layers."""
 
-    def __init__(self, inner: LlamaModel, decode_stack: Any, max_rows: int = DECODE_STACK_MAX_ROWS) -> None:
+    def __init__(self, inner: LlamaModel, decode_stack: Any, max_rows: int = DECODE_STACK_MAX_ROWS,
+                 lora_context: Any = None) -> None:
         super().__init__()
         # The body's children are adopted under their own names, so parameter names stay LlamaModel's
         # (weight sync and state_dict address `model.layers.0...`); the body itself is held outside
@@ -37,10 +38,14 @@ class DecodeStackModel(nn.Module):
         object.__setattr__(self, "inner", inner)
         self.decode_stack = decode_stack
         self.decode_stack_rows = max_rows
+        # With LoRA serving (kvik.model.lora): the stack runs base weights only, so a step in which
+        # any token uses an adapter takes the modules' path, which adds the adapters.
+        self.lora_context = lora_context
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        if not meta.num_decodes == input_ids.shape[0] <= self.decode_stack_rows:
+        lora = self.lora_context
+        if not meta.num_decodes == input_ids.shape[0] <= self.decode_stack_rows or (lora is not None and lora.active):
             return self.inner(input_ids, positions, meta)
         inner = self.inner
         x = inner.embed_tokens(input_ids)
@@ -86,7 +91,8 @@ def wrap_decode_stack(model: nn.Module) -> bool:
         cache = attention.attn.kv_cache
         stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, *weights,
                         cache.data, cache.scales)
-    model.model = DecodeStackModel(body, stack)
+    lora_context = getattr(first.self_attn.qkv_proj, "lora_context", None)
+    model.model = DecodeStackModel(body, stack, lora_context=lora_context)
     logger.info("decode steps of 1-%d sequences run all %d layers in one compiled call",
                 DECODE_STACK_MAX_ROWS, stack.num_layers)
     return True
