@@ -23,6 +23,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="name(s) clients use in `model` (default: the model path or id)")
     server.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' (default: $KVIK_API_KEY if set)")
+    server.add_argument("--admin-api-key", default=None,
+                        help="key of the admin endpoints (POST /v1/load_lora_adapter, /v1/unload_lora_adapter "
+                             "with --enable-lora); they answer 403 without it (default: $KVIK_ADMIN_API_KEY)")
     server.add_argument("--max-waiting", type=int, default=256,
                         help="sequences that may queue beyond --max-num-seqs before new requests "
                              "get 503 + Retry-After")
@@ -143,7 +146,12 @@ def run(args: argparse.Namespace) -> int:
     else:
         names = args.served_model_name or [first_name or args.model or default.served_name]
     preprocess = PreprocessConfig(workers=args.tokenizer_workers, timeout=args.tokenizer_timeout)
+    if several and engine_args.enable_lora:
+        raise ConfigError("--enable-lora: adapters are served on one base model; not with several --model")
+    if engine_args.enable_lora and set(names) & {name for name, _ in engine_args.lora_module_pairs()}:
+        raise ConfigError("--lora-modules: an adapter has the base model's served name; rename it")
     config = ServerConfig(served_model_names=names, api_key=args.api_key or os.environ.get("KVIK_API_KEY"),
+                          admin_api_key=args.admin_api_key or os.environ.get("KVIK_ADMIN_API_KEY"),
                           max_waiting=args.max_waiting, drain_timeout=args.drain_timeout,
                           max_body_bytes=args.max_body_bytes, body_read_timeout=args.body_read_timeout,
                           header_timeout=args.header_timeout,

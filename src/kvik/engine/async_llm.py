@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+
+import msgspec
 import time
 from typing import Any, AsyncIterator, Callable
 
@@ -26,7 +28,7 @@ from kvik.core.tokenizer import Tokenizer
 from kvik.engine import request_spans
 from kvik.engine.core_client import EngineCoreClient
 from kvik.engine.input_processor import InputProcessor
-from kvik.engine.messages import EngineCoreOutputs, EngineCoreRequest, EngineInfo, EngineStats
+from kvik.engine.messages import EngineCoreOutputs, EngineCoreRequest, EngineInfo, EngineStats, LoRAAdapterInfo
 from kvik.engine.output_processor import OutputProcessor
 from kvik.engine.preprocess_pool import (PreprocessConfig, PreprocessPool, RenderedPrompt,
                                          render_and_tokenize)
@@ -223,3 +225,14 @@ class AsyncLLM:
 
     async def reset_prefix_cache(self) -> int:
         return await self.client.call("reset_prefix_cache")
+
+    async def add_lora(self, name: str, path: str) -> LoRAAdapterInfo:
+        """Have the core read, check and serve a PEFT adapter directory as `name` (typed errors:
+        LoRAAdapterError, ConflictError, InvalidRequestError)."""
+        self._require_alive()
+        return msgspec.convert(await self.client.call("add_lora", name, path), LoRAAdapterInfo)
+
+    async def remove_lora(self, name: str) -> None:
+        """Stop serving an adapter (NotFoundError if unknown, ConflictError while requests use it)."""
+        self._require_alive()
+        await self.client.call("remove_lora", name)

@@ -196,6 +196,22 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = Field(default=None, ge=1, le=MAX_N)
 
 
+class LoadLoRAAdapterRequest(BaseModel):
+    """POST /v1/load_lora_adapter (vLLM's shape): serve the PEFT adapter directory `lora_path` on
+    the server's machine as the model `lora_name`."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """POST /v1/unload_lora_adapter."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str
+
+
 class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None

@@ -25,7 +25,7 @@ from kvik.core.memory import release_freed_memory
 from kvik.protocol.errors import error_body, error_from_exception
 from kvik.server.batches.service import BatchService
 from kvik.server.model_pool import lease_scope
-from kvik.server.routes import batches, generation, models, ops, pooling, responses_api, tokenize
+from kvik.server.routes import batches, generation, lora, models, ops, pooling, responses_api, tokenize
 from kvik.server.serving.chat import ChatServing
 from kvik.server.serving.completions import CompletionServing
 from kvik.server.serving.pooling import PoolingServing
@@ -184,6 +184,8 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(tokenize.router, dependencies=keyed)
     app.include_router(batches.router, dependencies=keyed)
     app.include_router(ops.router)
+    # The admin key, not the API key; checked before the body is read.
+    app.include_router(lora.router, dependencies=[Depends(lora.check_admin_key)])
     install_web(app, PageConfig(product="server", conversations="browser"))
     app.add_middleware(RequestGate, state=state)
     if tracing.enabled():  # outermost: the request's span covers the gate and the last streamed byte

@@ -73,6 +73,7 @@ class EngineServer(uvicorn.Server):
         except EngineStartError as exc:
             self._start_failed(exc)
             return
+        state.lora_adapters = {adapter.name: adapter for adapter in info.lora_adapters}
         state.ready = True
         try:
             parsers = state.output_parsers()

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from kvik.core.errors import InvalidRequestError, ModelNotFoundError, ServiceUnavailableError
 from kvik.core.tiers import DEFAULT_TIERS
 from kvik.engine.async_llm import AsyncLLM, EngineDeadError
-from kvik.engine.messages import EngineStats
+from kvik.engine.messages import EngineStats, LoRAAdapterInfo
 from kvik.server.batches.config import BatchConfig
 from kvik.server.metrics import ServerMetrics
 from kvik.server.model_pool import ModelPool
@@ -32,6 +32,8 @@ logger = logging.getLogger("kvik.server")
 class ServerConfig:
     served_model_names: list[str]
     api_key: str | None = None
+    # Bearer key of the admin endpoints (runtime LoRA adapter loading); None turns them off.
+    admin_api_key: str | None = None
     max_waiting: int = 256  # sequences allowed to queue beyond the running batch
     drain_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
     max_body_bytes: int = 16 * 2**20
@@ -73,6 +75,8 @@ class ServerState:
     started: int = field(default_factory=lambda: int(time.time()))
     # Per engine (several models may have different templates); dropped with an unloaded engine.
     parsers: weakref.WeakKeyDictionary[AsyncLLM, OutputParsers] = field(default_factory=weakref.WeakKeyDictionary)
+    # LoRA adapters the engine serves (--enable-lora), by name: a request's `model` may name one.
+    lora_adapters: dict[str, LoRAAdapterInfo] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.config.served_model_names[0], self.engine_stats, self.config.tiers)
@@ -97,11 +101,16 @@ class ServerState:
         return self.engine is not None and self.ready and not self.engine.alive
 
     def resolve_model(self, requested: str | None) -> str:
-        if requested is None or requested in self.config.served_model_names:
+        if requested is None or requested in self.config.served_model_names or requested in self.lora_adapters:
             return requested or self.model_name
+        served = [*self.config.served_model_names, *self.lora_adapters]
         raise ModelNotFoundError(
             f"The model {requested!r} does not exist; this server serves "
-            f"{', '.join(repr(n) for n in self.config.served_model_names)}", param="model")
+            f"{', '.join(repr(n) for n in served)}", param="model")
+
+    def lora_name(self, model: str) -> str | None:
+        """The LoRA adapter a resolved model name stands for, or None for a base model."""
+        return model if model in self.lora_adapters else None
 
     async def engine_for(self, requested: str | None) -> tuple[AsyncLLM, str]:
         """The engine serving the requested model (the default one when None) and the model's name.

@@ -13,6 +13,12 @@ router = APIRouter()
 
 
 def model_card(state: ServerState, name: str) -> dict[str, Any]:
+    adapter = state.lora_adapters.get(name)
+    if adapter is not None:  # vLLM's shape: the adapter's directory as root, the base model as parent
+        info = state.engine.info if state.engine is not None else None
+        return {"id": name, "object": "model", "created": adapter.created, "owned_by": "kvik",
+                "root": adapter.path, "parent": state.model_name,
+                "max_model_len": info.max_model_len if info else None}
     if state.models is not None:  # several models: say which are loaded now
         pooled = state.models.models[name]
         info = pooled.engine.info if pooled.engine is not None else None
@@ -28,7 +34,8 @@ def model_card(state: ServerState, name: str) -> dict[str, Any]:
 @router.get("/v1/models", responses=ERROR_RESPONSES, summary="List the served models")
 async def list_models(request: Request) -> dict[str, Any]:
     state: ServerState = request.app.state.server
-    return {"object": "list", "data": [model_card(state, n) for n in state.config.served_model_names]}
+    names = [*state.config.served_model_names, *state.lora_adapters]
+    return {"object": "list", "data": [model_card(state, n) for n in names]}
 
 
 @router.get("/v1/models/{model_id:path}", responses=ERROR_RESPONSES, summary="Describe a model")

@@ -34,8 +34,14 @@ class PoolingServing:
     def __init__(self, state: ServerState) -> None:
         self.state = state
 
+    def _refuse_adapter(self, model: str) -> None:
+        if self.state.lora_name(model) is not None:
+            raise InvalidRequestError(f"model: {model!r} is a LoRA adapter; adapters serve chat and completions, "
+                                      "not embeddings or classification", param="model")
+
     async def embeddings(self, body: EmbeddingRequest, raw: Request) -> Response:
         engine, model = await self.state.engine_for(body.model)
+        self._refuse_adapter(model)
         engine.input_processor.check_task("embed")
         pooling = PoolingParams(task="embed", dimensions=body.dimensions)
         if body.dimensions is not None:
@@ -51,6 +57,7 @@ class PoolingServing:
 
     async def classify(self, body: ClassifyRequest, raw: Request) -> Response:
         engine, model = await self.state.engine_for(body.model)
+        self._refuse_adapter(model)
         engine.input_processor.check_task("classify")
         results = await self._run(engine, "classify", model, body.input, PoolingParams(task="classify"), raw)
         labels = engine.info.pooling.labels if engine.info.pooling else []

@@ -229,7 +229,7 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest, *,
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     request = processor.make_request(request_id, ids, params, arrival, max_tokens=max_tokens,
                                      cache_salt=body.cache_salt, salt_from_token=salt_from, where="messages",
-                                     **scheduling(body))
+                                     lora_name=state.lora_name(model), **scheduling(body))
     prepared = PreparedRequest(request_id, model, arrival, engine, assistant=assistant)
     prepared.prompts.append(PreparedPrompt(rendered.text, ids, request, CallRecord(prompt_tokens=len(ids))))
     annotate_request(prepared, "chat")
@@ -277,7 +277,8 @@ async def prepare_completion(state: ServerState, body: CompletionRequest) -> Pre
                                  prompt_logprobs=k if body.echo and k is not None else None,
                                  structured_outputs=constraint)
         request = processor.make_request(f"{request_id}-{index}", ids, params, arrival, max_tokens=max_tokens,
-                                         cache_salt=body.cache_salt, **scheduling(body))
+                                         cache_salt=body.cache_salt, lora_name=state.lora_name(model),
+                                         **scheduling(body))
         prepared.prompts.append(PreparedPrompt(text, ids, request, CallRecord(prompt_tokens=len(ids))))
     annotate_request(prepared, "text_completion")
     return prepared
