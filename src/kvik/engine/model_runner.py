@@ -102,12 +102,12 @@ class ModelRunner:
         input_ids, positions, slots = self._flat_inputs(decodes, prefills)
         meta = self._attention_metadata(decodes, prefills, slots)
         if self.lora is not None:
-            self.lora.context.segments = lora_segments(ordered)
+            self.lora.context.set(lora_segments(ordered))
         try:
             hidden = self.model(input_ids, positions, meta)
         finally:
             if self.lora is not None:
-                self.lora.context.segments = []
+                self.lora.context.set([])
 
         # Rows to compute logits for: one per completed sequence, every row from the last known
         # token on of chunks with drafts, then prompt-logprob positions.
