@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from tests.lora.helpers import reference_greedy, write_random_adapter
 
-from kvik.core.errors import ConfigError, ConflictError, InvalidRequestError, LoRAAdapterError, NotFoundError
+from kvik.core.errors import (ConfigError, ConflictError, InvalidRequestError, KvikError, LoRAAdapterError,
+                              NotFoundError)
 from kvik.core.sampling_params import SamplingParams
 from kvik.engine import model_runner
 from kvik.engine.llm import LLM
@@ -169,3 +170,42 @@ def test_lora_needs_enable_flag_and_a_llama_family_model(lora_base, trained_adap
     plain = LLM(str(lora_base), kv_cache_memory="16MiB", show_progress=False)
     with pytest.raises(InvalidRequestError, match="--enable-lora"):
         plain.generate([[5, 6, 7]], GREEDY, lora="ad0")
+
+
+def test_quantized_int8_base_serves_adapters(lora_base, trained_adapters) -> None:
+    """Adapters run in float32 on top of int8 weight-only linears: each prompt token's logprob is
+    HF + PEFT merged's (float32) within int8's error, far closer than to the base model's."""
+    import torch
+    from tests.lora.helpers import merged_model
+
+    adapters = dict(list(trained_adapters.items())[:3])
+    llm = make_llm(lora_base, adapters, quantization="int8")
+    prompt = [5, 17, 42, 99, 7, 3, 11, 250, 31, 8, 77, 140]
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    for name, path in adapters.items():
+        output = llm.generate([prompt], params, lora=name)[0]
+        got = torch.tensor([entry[token].logprob for entry, token in zip(output.prompt_logprobs[1:], prompt[1:])])
+
+        def reference(adapter):
+            with torch.no_grad():
+                logits = merged_model(lora_base, adapter)(torch.tensor([prompt])).logits[0, :-1]
+            return torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+
+        adapted, base = reference(path), reference(None)
+        error, effect = (got - adapted).abs().max().item(), (adapted - base).abs().max().item()
+        assert error < 0.1 and effect > 5 * error, (name, error, effect)
+
+
+def test_adapter_that_cannot_be_reloaded_fails_its_request_alone(lora_base, trained_adapters, tmp_path) -> None:
+    """Evicted from the CPU cache, then its directory removed: the next request for it fails with a
+    message naming the adapter; requests for other adapters go on."""
+    gone = tmp_path / "gone"
+    shutil.copytree(trained_adapters["ad1"], gone)
+    llm = make_llm(lora_base, {"ad0": trained_adapters["ad0"], "gone": gone}, max_loras=1, max_cpu_loras=1)
+    shutil.rmtree(gone)  # "gone" is in the CPU cache no more: "ad0" was registered after it
+    prompt = [5, 17, 42, 99, 7, 3]
+    with pytest.raises(KvikError, match="'gone' could not be reloaded"):
+        llm.generate([prompt, prompt], GREEDY, lora=["ad0", "gone"])
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.generate([prompt], GREEDY, lora="ad0")[0].outputs[0].token_ids == reference_greedy(
+        lora_base, trained_adapters["ad0"], prompt, GREEDY.max_tokens)

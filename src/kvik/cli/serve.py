@@ -95,7 +95,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     several.add_argument("--max-loaded-models", type=int, default=None, help="models loaded at once")
     several.add_argument("--model-load-timeout", type=float, default=300.0,
                          help="seconds a request waits for its model to load (503 after)")
-    EngineArgs.add_cli_args(parser, several_models=True)
+    EngineArgs.add_cli_args(parser, several_models=True, lora=True)
     parser.set_defaults(func=run)
 
 

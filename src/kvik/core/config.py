@@ -171,7 +171,7 @@ class EngineArgs:
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, *, model_required: bool = False,
-                     several_models: bool = False) -> None:
+                     several_models: bool = False, lora: bool = False) -> None:
         group = parser.add_argument_group("engine")
         model_help = "model directory in HF format (GPTQ/AWQ included), a .gguf file, or a hub id to download"
         if several_models:  # `kvik serve`: --model NAME=PATH, repeated, serves several models
@@ -237,7 +237,12 @@ class EngineArgs:
                                 "first; better tiers preempt worse ones), then fair share of tokens "
                                 "between tenants; fcfs: arrival order only")
 
-        lora = parser.add_argument_group("LoRA adapters")
+        if lora:
+            EngineArgs._add_lora_cli_args(parser)
+
+    @staticmethod
+    def _add_lora_cli_args(parser: argparse.ArgumentParser) -> None:
+        lora = parser.add_argument_group("LoRA adapters (docs/lora.md)")
         lora.add_argument("--enable-lora", action="store_true",
                           help="serve LoRA adapters on the base model (Llama family); a request picks "
                                "one by its `model` field, and requests for different adapters share a batch")

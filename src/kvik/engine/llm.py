@@ -17,7 +17,7 @@ from typing import Any, Sequence
 from tqdm import tqdm
 
 from kvik.core.config import EngineArgs
-from kvik.core.errors import InvalidRequestError
+from kvik.core.errors import InvalidRequestError, KvikError
 from kvik.core.outputs import PoolingRequestOutput, RequestOutput
 from kvik.core.pooling_params import PoolingParams
 from kvik.core.sampling_params import OutputKind, SamplingParams
@@ -155,4 +155,8 @@ class LLM:
                     if output.finished:
                         finished[output.request_id] = output
                         progress.update(1)
+        failed = [request_id for request_id in request_ids if request_id not in finished]
+        if failed:
+            reasons = "; ".join(self.engine.failures.pop(r, "no output") for r in failed)
+            raise KvikError(f"{len(failed)} of {len(request_ids)} requests failed: {reasons}")
         return [finished[request_id] for request_id in request_ids]

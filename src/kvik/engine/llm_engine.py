@@ -31,6 +31,9 @@ class LLMEngine:
         self.tokenizer = Tokenizer(self.info.tokenizer)
         self.input_processor = InputProcessor(self.info, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
+        # request id -> why the core ended it with an error (a failed grammar, an adapter that could
+        # not be reloaded); such requests produce no output.
+        self.failures: dict[str, str] = {}
 
     @property
     def max_model_len(self) -> int:
@@ -69,6 +72,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         processed = self.output_processor.process(self.core.step())
+        self.failures.update(processed.failures)
         for request_id, index in processed.aborts:
             self.core.abort(request_id, index)
         return processed.outputs
