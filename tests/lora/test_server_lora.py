@@ -20,7 +20,7 @@ MAX_TOKENS = 8
 @pytest.fixture(scope="module")
 def lora_server(lora_base, trained_adapters, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("lora-server")
-    modules = [f"{name}={path}" for name, path in list(trained_adapters.items())[:6]]
+    modules = [f"{name}={path}" for name, path in trained_adapters.items()]
     server = start_kvik_serve(log_dir, "--enable-lora", "--lora-modules", *modules, "--max-loras", "3",
                               "--max-lora-rank", "8", "--admin-api-key", ADMIN, "--kv-cache-memory", "32MiB",
                               "--batch-db", "none", "--responses-store", ":memory:", model_dir=lora_base)
@@ -51,15 +51,15 @@ def expected_text(base: Path, adapter: Path | None, prompt: list[int]) -> str:
 
 def test_models_lists_adapters_with_parent(lora_server, trained_adapters) -> None:
     models = {m.id: m for m in client(lora_server).models.list().data}
-    assert set(models) == {"tiny", *list(trained_adapters)[:6]}
+    assert set(models) == {"tiny", *trained_adapters}
     card = models["ad0"].model_dump()
     assert card["parent"] == "tiny" and card["root"] == str(trained_adapters["ad0"].resolve())
     assert client(lora_server).models.retrieve("ad3").id == "ad3"
 
 
 def test_concurrent_requests_across_adapters_match_hf_peft(lora_server, lora_base, trained_adapters) -> None:
-    """Six adapters and the base model at once on three slots: adapters take turns in the LRU."""
-    names = ["tiny", *list(trained_adapters)[:6]] * 2
+    """All eight adapters and the base model at once on three slots: adapters take turns in the LRU."""
+    names = ["tiny", *trained_adapters] * 2
     prompts = [[5, 17, 42, 99, 7 + i % 4, 3, 20 + i] for i in range(len(names))]
     with ThreadPoolExecutor(len(names)) as pool:
         texts = list(pool.map(lambda pair: complete(lora_server, *pair), zip(names, prompts)))

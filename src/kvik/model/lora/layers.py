@@ -12,8 +12,10 @@ piece p's output rows read only its own rank columns. One step's token -> slot m
 contiguous segments, set once per step on the `LoRAContext` all wrappers share (the runner sorts the
 batch by adapter, so each adapter's tokens are one or two runs); each wrapper then adds, per
 segment, x[seg] @ A[slot]^T @ B[slot]^T. Grouping by slot keeps the two GEMMs per segment on plain
-contiguous slices; gathering a weight copy per token (bmm) would move r x (in + out) floats per
-token and layer and measured slower on CPU.
+contiguous slices; gathering a weight copy per token for a bmm moves pieces x rank x (in + out)
+floats per token and layer. Measured on one CPU thread, 8 adapters of rank 8: 8 decode rows 0.39 vs
+0.45 ms (256 -> 512, q/k/v) and 0.56 vs 1.47 ms (768 -> 2304); 32 rows 0.39 vs 1.6 ms and 1.0 vs
+7.8 ms, grouped against gather + bmm.
 """
 
 from __future__ import annotations
