@@ -28,6 +28,10 @@ def lora_server(lora_base, trained_adapters, tmp_path_factory):
     server.stop()
 
 
+def metric_value(text: str, name: str) -> float:
+    return next(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
 def client(server: ServerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
 
@@ -66,6 +70,10 @@ def test_concurrent_requests_across_adapters_match_hf_peft(lora_server, lora_bas
     for name, prompt, text in zip(names, prompts, texts):
         adapter = trained_adapters.get(name)
         assert text == expected_text(lora_base, adapter, prompt), name
+    metrics = httpx.get(f"{lora_server.url}/metrics", timeout=10).text
+    assert 'kvik:lora_adapters{model_name="tiny"} 8.0' in metrics
+    assert metric_value(metrics, "kvik:lora_slot_loads_total") >= 8  # three slots for eight adapters
+    assert 'model_name="ad5"' in metrics  # latency and tokens per adapter
     # Chat goes through the same path.
     reply = client(lora_server).chat.completions.create(
         model="ad1", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0)

@@ -445,6 +445,12 @@ class EngineCore:
             preemptions_by_priority=dict(self.scheduler.num_preemptions_by_priority),
             waiting_by_priority=self._waiting_by_priority(),
         )
+        if self.adapters is not None:
+            adapters = self.adapters
+            stats.lora_adapters = len(adapters.adapters)
+            stats.lora_adapters_in_slots = sum(1 for owner in adapters.slot_owner if owner)
+            stats.lora_slot_loads = adapters.counters.slot_loads
+            stats.lora_disk_loads = adapters.counters.disk_loads
         if self.spec is not None:
             spec = self.spec.stats
             stats.spec_decode_num_drafts = spec.num_drafts

@@ -118,6 +118,12 @@ class EngineStats(msgspec.Struct):
     # Per priority value (tiers): sequences preempted, and sequences waiting now.
     preemptions_by_priority: dict[int, int] = msgspec.field(default_factory=dict)
     waiting_by_priority: dict[int, int] = msgspec.field(default_factory=dict)
+    # Multi-LoRA (all zero without --enable-lora): adapters registered and sitting in slots now,
+    # adapters copied into a slot, and of those read from their directory again (CPU cache miss).
+    lora_adapters: int = 0
+    lora_adapters_in_slots: int = 0
+    lora_slot_loads: int = 0
+    lora_disk_loads: int = 0
 
 
 class UtilityResult(msgspec.Struct, array_like=True):

@@ -88,6 +88,13 @@ class _EngineCollector(Collector):
             for position, value in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
                 per_position.add_metric([model, str(position)], value)
         yield per_position
+        yield gauge("lora_adapters", "LoRA adapters the engine serves (--enable-lora).", lambda s: s.lora_adapters)
+        yield gauge("lora_adapters_in_slots", "LoRA adapters in device-memory slots now (at most --max-loras).",
+                    lambda s: s.lora_adapters_in_slots)
+        yield counter("lora_slot_loads", "LoRA adapters copied into a slot (slot cache misses).",
+                      lambda s: s.lora_slot_loads)
+        yield counter("lora_disk_loads", "LoRA adapters read from their directory again (CPU cache misses).",
+                      lambda s: s.lora_disk_loads)
 
     def _by_tier(self, by_priority: dict[int, int]) -> dict[str, int]:
         totals = {name: 0 for name in self.tiers}

@@ -46,7 +46,8 @@ async def tracked_generate(state: ServerState, engine: AsyncLLM, request: Engine
                            prompt: str | None, record: CallRecord) -> AsyncIterator[RequestOutput]:
     """The engine's output stream for one prompt, observed for metrics (per model and tier)."""
     metrics = state.metrics
-    model, tier = state.served_name(engine), metrics.tier(request.priority)
+    # A LoRA adapter's requests count under the adapter's name (per-adapter latency and tokens).
+    model, tier = request.lora_name or state.served_name(engine), metrics.tier(request.priority)
     arrival = request.arrival_time
     last: float | None = None
     async for output in engine.generate(request, prompt):
