@@ -97,6 +97,7 @@ class AdapterManager:
         if entry.slot >= 0:
             self.model.clear(entry.slot)
             self.slot_owner[entry.slot] = 0
+            self.slot_order.move_to_end(entry.slot, last=False)  # empty: the first to fill
         self.cpu_cache.pop(entry.lora_id, None)
         del self.adapters[name]
         del self.by_id[entry.lora_id]
@@ -127,7 +128,10 @@ class AdapterManager:
         can_acquire before). Raises KvikError when the adapter's directory can no longer be read."""
         entry = self.by_id[lora_id]
         if entry.slot < 0:
-            slot = next(s for s in self.slot_order if self._evictable(s))
+            # An empty slot if there is one, else the least recently used one nobody runs on.
+            slot = next((s for s in self.slot_order if not self.slot_owner[s]), None)
+            if slot is None:
+                slot = next(s for s in self.slot_order if self._evictable(s))
             weights = self._weights(entry)
             previous = self.by_id.get(self.slot_owner[slot])
             if previous is not None:
