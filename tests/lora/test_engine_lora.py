@@ -209,3 +209,16 @@ def test_adapter_that_cannot_be_reloaded_fails_its_request_alone(lora_base, trai
     assert not llm.engine.has_unfinished_requests()
     assert llm.generate([prompt], GREEDY, lora="ad0")[0].outputs[0].token_ids == reference_greedy(
         lora_base, trained_adapters["ad0"], prompt, GREEDY.max_tokens)
+
+
+def test_chunked_prefill_and_preemption_keep_adapter_tokens_exact(lora_base, trained_adapters) -> None:
+    """Long prompts split over steps (each chunk a segment of its adapter) and a KV cache too small
+    for all sequences (preempted ones give back their slot pins and come back recomputed)."""
+    llm = make_llm(lora_base, trained_adapters, max_loras=4, max_model_len=128, kv_cache_memory=96 * 1024,
+                   max_num_batched_tokens=24)
+    names = [*trained_adapters, None]
+    prompts = [[(11 * i + j) % 500 + 3 for j in range(40)] for i in range(len(names))]
+    check_parity(lora_base, trained_adapters, prompts, names, llm.generate(prompts, GREEDY, lora=names))
+    core = llm.engine.core
+    assert core.scheduler.num_preemptions > 0
+    assert all(entry.pins == 0 for entry in core.adapters.adapters.values())
