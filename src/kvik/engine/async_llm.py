@@ -114,23 +114,26 @@ class AsyncLLM:
     @tracing.traced("tokenize")
     async def render_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
                           template: str | None = None, tools: list[dict[str, Any]] | None = None,
-                          template_kwargs: dict[str, Any] | None = None, input_bytes: int = 0
-                          ) -> RenderedPrompt:
+                          template_kwargs: dict[str, Any] | None = None, input_bytes: int = 0,
+                          reserve_tokens: int | None = None) -> RenderedPrompt:
         """Render a conversation and tokenize it. `input_bytes` (the request's size) decides where:
-        small inputs with the model's own template on the loop, the rest in the worker pool."""
+        small inputs with the model's own template on the loop, the rest in the worker pool, which
+        refuses a prompt with no room for `reserve_tokens` of output before returning its ids."""
         kwargs = dict(template_kwargs or {})
         if self.pool is not None and (template is not None or input_bytes > self.preprocess_config.inline_bytes):
             return await self.pool.render(messages, add_generation_prompt=add_generation_prompt,
-                                          template=template, tools=tools, template_kwargs=kwargs)
+                                          template=template, tools=tools, template_kwargs=kwargs,
+                                          reserve_tokens=reserve_tokens)
         return render_and_tokenize(self.tokenizer, messages, add_generation_prompt=add_generation_prompt,
                                    template=template, tools=tools, template_kwargs=kwargs)
 
     @tracing.traced("tokenize")
-    async def tokenize(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+    async def tokenize(self, texts: list[str], add_special_tokens: bool = True,
+                       reserve_tokens: int | None = None) -> list[list[int]]:
         for text in texts:
             self.input_processor.check_text_size(len(text.encode("utf-8", "surrogatepass")), "prompt")
         if self.pool is not None and sum(len(t) for t in texts) > self.preprocess_config.inline_bytes:
-            return await self.pool.tokenize(texts, add_special_tokens)
+            return await self.pool.tokenize(texts, add_special_tokens, reserve_tokens)
         return [self.tokenizer.encode(text, add_special_tokens=add_special_tokens) for text in texts]
 
     # -- generation --
