@@ -21,7 +21,8 @@ from kvik.core import tracing
 from kvik.core.chat_template import TemplateLimits
 from kvik.core.config import EngineArgs
 from kvik.core.errors import KvikError, ServiceUnavailableError
-from kvik.core.outputs import PoolingRequestOutput, RequestOutput
+from kvik.core.outputs import PoolingRequestOutput, RequestOutput, merge_deltas
+from kvik.core.sampling_params import OutputKind
 from kvik.core.tokenizer import Tokenizer
 from kvik.engine import request_spans
 from kvik.engine.core_client import EngineCoreClient
@@ -152,14 +153,23 @@ class AsyncLLM:
         sent_time = time.time()
         finished = False
         error: str | None = None
+        coalesce = request.params.output_kind is OutputKind.DELTA
+        queued_error: BaseException | None = None
         try:
             await self.client.add_request(request)
             while True:
-                item = await queue.get()
+                item = queued_error or await queue.get()
                 if isinstance(item, BaseException):
                     finished = True
                     error = str(item)
                     raise item
+                while coalesce and not item.finished and not queue.empty():
+                    # The consumer fell behind: one output for the whole backlog (vLLM does the same).
+                    later = queue.get_nowait()
+                    if isinstance(later, BaseException):
+                        queued_error = later  # raised after what came before it
+                        break
+                    item = merge_deltas(item, later)
                 finished = item.finished
                 yield item
                 if finished:
