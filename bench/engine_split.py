@@ -56,13 +56,15 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--kv-cache-memory", default="2GiB")
+    parser.add_argument("--first", choices=list(LAYOUTS), default="thread",
+                        help="which layout runs first in each round")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="kvik-split-"))
     model = args.model or reference_model(work)
     rounds: dict[str, list[dict]] = {layout: [] for layout in LAYOUTS}
     for index in range(args.rounds):
-        for layout in LAYOUTS:
+        for layout in sorted(LAYOUTS, key=lambda name: name != args.first):
             figures = one_round(model, layout, args, work, index)
             rounds[layout].append(figures)
             print(f"round {index + 1} {layout:<7} " + "  ".join(f"{k} {v:.1f}" for k, v in figures.items()),
