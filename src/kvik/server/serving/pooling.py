@@ -89,7 +89,8 @@ class PoolingServing:
         records = [CallRecord(prompt_tokens=len(r.prompt_token_ids)) for r in requests]
         window = min(len(requests), self.state.config.max_num_seqs)
         admission = Admission(self.state, window, request_id=request_id, endpoint=endpoint, model=model,
-                              arrival=arrival, records=records, stream=False, prompt=None)
+                              arrival=arrival, records=records, stream=False, prompt=None,
+                              reserve=raw is not None)
         try:
             return await unless_disconnected(raw, self._encode_all(engine, model, requests, window))
         except Exception as exc:

@@ -99,7 +99,7 @@ class ResponsesServing:
     async def create(self, body: ResponsesRequest, raw: Request) -> Response:
         turn = await self._prepare(body)
         if body.stream:
-            admission, stream, engine_text = self._start(turn)
+            admission, stream, engine_text = self._start(turn, raw)
             return SSEResponse(self._events(turn, stream, engine_text, admission), on_close=admission.release)
         return JSONResponse(await self._complete(turn, raw))
 
@@ -107,18 +107,21 @@ class ResponsesServing:
         """The response object of a non-streamed request with no client connection (a batch line)."""
         return await self._complete(await self._prepare(body), None)
 
-    def _start(self, turn: Turn) -> tuple[Admission, AsyncIterator[RequestOutput], EngineText]:
+    def _start(self, turn: Turn, raw: Request | None = None
+               ) -> tuple[Admission, AsyncIterator[RequestOutput], EngineText]:
         prompt = turn.prepared.prompts[0]
         admission = Admission(self.state, 1, request_id=turn.response_id, endpoint="responses",
                               model=turn.prepared.model, arrival=turn.prepared.arrival,
-                              records=[prompt.record], stream=turn.body.stream, prompt=prompt.text)
+                              records=[prompt.record], stream=turn.body.stream, prompt=prompt.text,
+                              reserve=raw is not None)
         engine_text = EngineText()
         stream = recorded(tracked_generate(self.state, turn.prepared.engine, prompt.request, prompt.text,
                                            prompt.record), engine_text)
         return admission, stream, engine_text
 
     async def _complete(self, turn: Turn, raw: Request | None) -> dict[str, Any]:
-        admission, stream, engine_text = self._start(turn)
+        """`raw` is the client's connection; None for a batch line."""
+        admission, stream, engine_text = self._start(turn, raw)
         try:
             choices = await unless_disconnected(raw, ChatServing.collect(stream))
         except Exception as exc:
