@@ -12,7 +12,8 @@ measures, each phase for `--seconds`:
 - saturated: the same while `--concurrency` streams keep every engine step full;
 - tokenizing: the same while a client keeps sending a 5 MB chat message (each is tokenized, then
   refused for its length).
-"before" is `--engine-in-thread --tokenizer-workers 0`: the engine loop on a thread of the API
+The load runs in a separate client process, so the probes measure the server, not the load
+generator's own event loop. "before" is `--engine-in-thread --tokenizer-workers 0`: the engine loop on a thread of the API
 server and tokenization on its event loop, the layout kvik had. "after" is the default: the engine
 core in its own process, large inputs tokenized in worker processes. Target: /health p99 < 20 ms.
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import socket
 import statistics
 import subprocess
@@ -100,16 +102,52 @@ async def big_prompts(client: httpx.AsyncClient, base: str, stop: asyncio.Event)
     return statuses
 
 
-async def phase(base: str, seconds: float, background) -> tuple[list[float], list[float], object]:
-    stop = asyncio.Event()
-    async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=200)) as client:
-        load = asyncio.create_task(background(client, stop)) if background else None
-        await asyncio.sleep(2 if background else 0)  # let the load build up
-        probes = asyncio.gather(probe_health(client, base, stop), probe_short_request(client, base, stop))
+def load_process(kind: str, base: str, concurrency: int, max_tokens: int, stop, results) -> None:
+    """The background load, in its own process: a load generator sharing the probes' event loop
+    would add its own loop lag (64 SSE parsers, json-encoding 5 MB bodies) to every probe."""
+
+    async def run() -> object:
+        loop_stop = asyncio.Event()
+
+        async def watch() -> None:
+            while not stop.is_set():
+                await asyncio.sleep(0.05)
+            loop_stop.set()
+
+        async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=200)) as client:
+            watcher = asyncio.create_task(watch())
+            if kind == "saturate":
+                outcome = await saturate(client, base, concurrency, max_tokens, loop_stop)
+            else:
+                outcome = await big_prompts(client, base, loop_stop)
+            await watcher
+            return outcome
+
+    results.put(asyncio.run(run()))
+
+
+async def phase(base: str, seconds: float, kind: str | None,
+                args: argparse.Namespace) -> tuple[list[float], list[float], object]:
+    context = multiprocessing.get_context("spawn")
+    stop, results = context.Event(), context.Queue()
+    load = None
+    if kind is not None:
+        load = context.Process(target=load_process, daemon=True,
+                               args=(kind, base, args.concurrency, args.max_tokens, stop, results))
+        load.start()
+        await asyncio.sleep(3)  # let the load build up (and the child start)
+    probe_stop = asyncio.Event()
+    async with httpx.AsyncClient(timeout=300) as client:
+        probes = asyncio.gather(probe_health(client, base, probe_stop),
+                                probe_short_request(client, base, probe_stop))
         await asyncio.sleep(seconds)
-        stop.set()
+        probe_stop.set()
         health, short = await probes
-        extra = await load if load else None
+    extra = None
+    if load is not None:
+        stop.set()
+        extra = await asyncio.to_thread(results.get, True, 600)
+        load.join(60)
     return health, short, extra
 
 
@@ -121,13 +159,9 @@ def percentiles(values: list[float]) -> dict[str, float]:
 
 async def measure(base: str, args: argparse.Namespace) -> dict[str, dict]:
     results = {}
-    phases = {
-        "idle": None,
-        "saturated": lambda client, stop: saturate(client, base, args.concurrency, args.max_tokens, stop),
-        "tokenizing 5 MB": lambda client, stop: big_prompts(client, base, stop),
-    }
-    for name, background in phases.items():
-        health, short, extra = await phase(base, args.seconds, background)
+    phases = {"idle": None, "saturated": "saturate", "tokenizing 5 MB": "big_prompts"}
+    for name, kind in phases.items():
+        health, short, extra = await phase(base, args.seconds, kind, args)
         results[name] = {"health": percentiles(health), "2-token request": percentiles(short)}
         if name == "tokenizing 5 MB":
             results[name]["big prompt statuses"] = sorted(set(extra or []))
@@ -162,11 +196,15 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=200)
     parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--layout", choices=["both", "before", "after"], default="both",
+                        help="measure both layouts (the comparison) or only one")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args()
     model = long_context_model(Path(tempfile.mkdtemp(prefix="kvik-health-")))
     layouts = {"before (engine thread, tokenizing on the loop)": ["--engine-in-thread", "--tokenizer-workers", "0"],
                "after (engine process, tokenizer workers)": []}
+    if args.layout != "both":
+        layouts = {name: extra for name, extra in layouts.items() if name.startswith(args.layout)}
     results = {name: run_layout(model, extra, args) for name, extra in layouts.items()}
     for layout, phases in results.items():
         print(f"\n{layout}")
@@ -175,6 +213,8 @@ def main() -> int:
             print(f"  {name:<16} /health p50 {h['p50_ms']:7.1f} ms  p99 {h['p99_ms']:7.1f} ms  max "
                   f"{h['max_ms']:7.1f} ms | 2-token request p50 {s['p50_ms']:7.1f} ms  p99 {s['p99_ms']:7.1f} ms"
                   + (f" | 5 MB prompt -> {figures['big prompt statuses']}" if "big prompt statuses" in figures else ""))
+    if args.layout != "both":
+        return 0
     before, after = results.values()
     for name in before:
         ratio = before[name]["health"]["p99_ms"] / max(after[name]["health"]["p99_ms"], 0.1)

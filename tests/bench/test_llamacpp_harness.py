@@ -18,7 +18,7 @@ def test_engine_arguments_become_kvik_serve_flags():
 
 
 def test_pairs_are_chosen_by_name_or_read_from_a_file(tmp_path):
-    assert [p["name"] for p in select_pairs(None, None)] == ["f32 vs f32"]
+    assert [p["name"] for p in select_pairs(None, None)] == ["bf16 vs f16", "int8 vs q8_0", "int4 vs q4_0"]
     assert select_pairs("bf16 vs f16, int8 vs q8_0", None) == [PAIRS[1], PAIRS[2]]
     with pytest.raises(ValueError, match="unknown pair"):
         select_pairs("fp8 vs q8_0", None)

@@ -65,6 +65,30 @@ def test_concurrent_streams_match_offline(engine, tiny_llama):
         assert final.finished and final.outputs[0].finish_reason == "length"
 
 
+def test_a_consumer_that_falls_behind_gets_the_backlog_merged(engine, tiny_llama):
+    """A slow reader gets fewer outputs carrying several tokens each, not a backlog of one-token
+    ones; together they are exactly the stream a fast reader gets (text, ids, logprobs, finish)."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2, output_kind=OutputKind.DELTA)
+
+    async def main():
+        outputs = []
+        async for output in engine.generate(core_request(engine, "slow", "Once upon a time", params)):
+            outputs.append(output)
+            await asyncio.sleep(0.05)  # several engine steps while this reader sleeps
+        return outputs
+
+    outputs = engine.loop.run_until_complete(main())
+    reference = LLM(str(tiny_llama), show_progress=False).generate(
+        ["Once upon a time"], params.clone(output_kind=OutputKind.CUMULATIVE))[0].outputs[0]
+    assert len(outputs) < 24 and max(len(o.outputs[0].token_ids) for o in outputs) > 1
+    assert [t for o in outputs for t in o.outputs[0].token_ids] == reference.token_ids
+    assert "".join(o.outputs[0].text for o in outputs) == reference.text
+    logprobs = [step for o in outputs for step in o.outputs[0].logprobs]
+    assert [sorted(step) for step in logprobs] == [sorted(step) for step in reference.logprobs]
+    assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
+    assert outputs[-1].outputs[0].finish_reason == "length"
+
+
 def test_stop_string_ends_the_sequence_in_the_core_too(engine):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, output_kind=OutputKind.DELTA)
 

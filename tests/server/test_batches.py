@@ -172,11 +172,59 @@ def test_cancel_stops_a_running_batch(batch_server):
         client.batches.retrieve("batch_missing")
 
 
+def test_responses_lines_equal_the_responses_created_one_by_one(batch_server):
+    client = client_for(batch_server, tenant="responses")
+    lines = [{"custom_id": f"r-{i}", "method": "POST", "url": "/v1/responses",
+              "body": {"model": "tiny", "temperature": 0, "max_output_tokens": 5, "store": False,
+                       "input": f"respond to number {i}", "instructions": "be brief"}} for i in range(6)]
+    uploaded = client.files.create(file=("input.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/responses", completion_window="24h")
+    batch = wait_for(client, batch.id, {"completed", "failed", "expired", "cancelled"})
+    assert batch.status == "completed" and (batch.request_counts.completed, batch.request_counts.failed) == (6, 0)
+    records = output_records(client, batch.output_file_id)
+    assert [r["custom_id"] for r in records] == [line["custom_id"] for line in lines]
+    for line, record in zip(lines, records):
+        body = record["response"]["body"]
+        alone = client.responses.create(**line["body"])
+        assert body["object"] == "response" and body["status"] in ("completed", "incomplete")
+        assert body["output"][0]["content"][0]["text"] == alone.output_text
+        assert body["usage"]["output_tokens"] == alone.usage.output_tokens
+    usage = httpx.get(f"{batch_server.base_url}/batches/{batch.id}", headers={"X-Kvik-Tenant": "responses"}).json()
+    assert usage["usage"]["output_tokens"] == sum(r["response"]["body"]["usage"]["output_tokens"] for r in records)
+
+
+def test_embeddings_lines_equal_the_embeddings_created_one_by_one(tmp_path):
+    from tests.pooling_models import minilm_path
+
+    server = start_server(minilm_path(), tmp_path, "--batch-db", str(tmp_path / "batches.db"),
+                          "--max-model-len", "256", name="minilm", timeout=START_TIMEOUT)
+    try:
+        client = client_for(server)
+        texts = ["a cat sat on the mat", "stocks fell sharply today", "the weather is nice", "hello"]
+        lines = [{"custom_id": f"e-{i}", "method": "POST", "url": "/v1/embeddings",
+                  "body": {"model": "minilm", "input": text}} for i, text in enumerate(texts)]
+        lines.append({"custom_id": "bad", "method": "POST", "url": "/v1/embeddings",
+                      "body": {"model": "minilm", "input": "x", "dimensions": 7}})
+        uploaded = client.files.create(file=("input.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
+        batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h")
+        batch = wait_for(client, batch.id, {"completed", "failed", "expired", "cancelled"})
+        assert batch.status == "completed" and (batch.request_counts.completed, batch.request_counts.failed) == (4, 1)
+        records = {r["custom_id"]: r["response"]["body"] for r in output_records(client, batch.output_file_id)}
+        for i, text in enumerate(texts):
+            alone = client.embeddings.create(model="minilm", input=text).data[0].embedding
+            assert records[f"e-{i}"]["data"][0]["embedding"] == pytest.approx(alone, abs=1e-5)
+            assert records[f"e-{i}"]["usage"]["prompt_tokens"] > 0
+        errors = output_records(client, batch.error_file_id)
+        assert [e["custom_id"] for e in errors] == ["bad"] and errors[0]["response"]["status_code"] == 400
+    finally:
+        server.stop()
+
+
 @pytest.mark.parametrize("content, message", [
     (b'{"custom_id": "a", "url": "/v1/chat/completions", "body": {}}\nnot json\n', "line 2: is not valid JSON"),
     (b'{"custom_id": "a", "url": "/v1/chat/completions", "body": {}}\n'
      b'{"custom_id": "a", "url": "/v1/chat/completions", "body": {}}\n', "line 2: custom_id 'a' is used"),
-    (b'{"custom_id": "a", "url": "/v1/embeddings", "body": {}}\n', "line 1: url"),
+    (b'{"custom_id": "a", "url": "/v1/moderations", "body": {}}\n', "line 1: url"),
     (b'{"url": "/v1/chat/completions", "body": {}}\n', "line 1: custom_id"),
     (b"\n\n", "has no requests"),
 ])
@@ -190,7 +238,8 @@ def test_bad_input_files_are_refused_at_upload_naming_the_line(batch_server, con
 def test_batch_requests_are_validated(batch_server):
     client = client_for(batch_server)
     uploaded = client.files.create(file=("input.jsonl", io.BytesIO(jsonl(batch_lines(1, 2)))), purpose="batch")
-    for kwargs, param in (({"endpoint": "/v1/embeddings"}, "endpoint"),
+    for kwargs, param in (({"endpoint": "/v1/moderations"}, "endpoint"),
+                          ({"endpoint": "/v1/embeddings"}, "input_file_id"),  # the lines are chat
                           ({"completion_window": "forever"}, "completion_window"),
                           ({"input_file_id": "file-nope"}, "input_file_id"),
                           ({"endpoint": "/v1/completions"}, "input_file_id")):

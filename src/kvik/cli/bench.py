@@ -255,7 +255,7 @@ def _configure_compare_parser(parser: argparse.ArgumentParser) -> None:
                           help="a llama.cpp tree built by bench/llamacpp/build.sh: adds kvik vs llama.cpp "
                                "on the same GGUF files, per precision pair")
     llamacpp.add_argument("--llamacpp-pairs", default=None,
-                          help="comma-separated pair names, e.g. 'f32 vs f32,bf16 vs f16' (default f32 vs f32)")
+                          help="comma-separated pair names, e.g. 'f32 vs f32,bf16 vs f16' (default: bf16 vs f16, int8 vs q8_0, int4 vs q4_0)")
     llamacpp.add_argument("--llamacpp-pairs-file", default=None,
                           help="JSON list of {name, gguf, kvik: {engine args}} pairs instead of the built-in ones")
     llamacpp.add_argument("--llamacpp-models", default="reference,smollm2",

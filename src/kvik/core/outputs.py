@@ -4,6 +4,7 @@ or for a pooling request one `PoolingRequestOutput`."""
 from __future__ import annotations
 
 import array
+import dataclasses
 import sys
 from dataclasses import dataclass, field
 
@@ -57,6 +58,26 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = None
     extra: dict[str, object] = field(default_factory=dict)
+
+
+def merge_deltas(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """One DELTA output carrying what two consecutive ones carry: what a consumer that fell behind
+    gets instead of a backlog of one-token outputs (each one costs it an SSE event to format and
+    write, which is how a saturated server's event loop falls further behind)."""
+    merged: dict[int, CompletionOutput] = {c.index: dataclasses.replace(c) for c in earlier.outputs}
+    for new in later.outputs:
+        old = merged.get(new.index)
+        if old is None:
+            merged[new.index] = new
+            continue
+        old.text += new.text
+        old.token_ids = [*old.token_ids, *new.token_ids]
+        if new.logprobs is not None:
+            old.logprobs = [*(old.logprobs or []), *new.logprobs]
+        old.cumulative_logprob = new.cumulative_logprob
+        old.finish_reason, old.stop_reason = new.finish_reason, new.stop_reason
+    return dataclasses.replace(later, prompt_logprobs=earlier.prompt_logprobs or later.prompt_logprobs,
+                               outputs=list(merged.values()), extra={**earlier.extra, **later.extra})
 
 
 @dataclass(slots=True)

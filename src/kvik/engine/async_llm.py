@@ -23,7 +23,8 @@ from kvik.core import tracing
 from kvik.core.chat_template import TemplateLimits
 from kvik.core.config import EngineArgs
 from kvik.core.errors import KvikError, ServiceUnavailableError
-from kvik.core.outputs import PoolingRequestOutput, RequestOutput
+from kvik.core.outputs import PoolingRequestOutput, RequestOutput, merge_deltas
+from kvik.core.sampling_params import OutputKind
 from kvik.core.tokenizer import Tokenizer
 from kvik.engine import request_spans
 from kvik.engine.core_client import EngineCoreClient
@@ -116,23 +117,26 @@ class AsyncLLM:
     @tracing.traced("tokenize")
     async def render_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
                           template: str | None = None, tools: list[dict[str, Any]] | None = None,
-                          template_kwargs: dict[str, Any] | None = None, input_bytes: int = 0
-                          ) -> RenderedPrompt:
+                          template_kwargs: dict[str, Any] | None = None, input_bytes: int = 0,
+                          reserve_tokens: int | None = None) -> RenderedPrompt:
         """Render a conversation and tokenize it. `input_bytes` (the request's size) decides where:
-        small inputs with the model's own template on the loop, the rest in the worker pool."""
+        small inputs with the model's own template on the loop, the rest in the worker pool, which
+        refuses a prompt with no room for `reserve_tokens` of output before returning its ids."""
         kwargs = dict(template_kwargs or {})
         if self.pool is not None and (template is not None or input_bytes > self.preprocess_config.inline_bytes):
             return await self.pool.render(messages, add_generation_prompt=add_generation_prompt,
-                                          template=template, tools=tools, template_kwargs=kwargs)
+                                          template=template, tools=tools, template_kwargs=kwargs,
+                                          reserve_tokens=reserve_tokens)
         return render_and_tokenize(self.tokenizer, messages, add_generation_prompt=add_generation_prompt,
                                    template=template, tools=tools, template_kwargs=kwargs)
 
     @tracing.traced("tokenize")
-    async def tokenize(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+    async def tokenize(self, texts: list[str], add_special_tokens: bool = True,
+                       reserve_tokens: int | None = None) -> list[list[int]]:
         for text in texts:
             self.input_processor.check_text_size(len(text.encode("utf-8", "surrogatepass")), "prompt")
         if self.pool is not None and sum(len(t) for t in texts) > self.preprocess_config.inline_bytes:
-            return await self.pool.tokenize(texts, add_special_tokens)
+            return await self.pool.tokenize(texts, add_special_tokens, reserve_tokens)
         return [self.tokenizer.encode(text, add_special_tokens=add_special_tokens) for text in texts]
 
     # -- generation --
@@ -151,14 +155,23 @@ class AsyncLLM:
         sent_time = time.time()
         finished = False
         error: str | None = None
+        coalesce = request.params.output_kind is OutputKind.DELTA
+        queued_error: BaseException | None = None
         try:
             await self.client.add_request(request)
             while True:
-                item = await queue.get()
+                item = queued_error or await queue.get()
                 if isinstance(item, BaseException):
                     finished = True
                     error = str(item)
                     raise item
+                while coalesce and not item.finished and not queue.empty():
+                    # The consumer fell behind: one output for the whole backlog (vLLM does the same).
+                    later = queue.get_nowait()
+                    if isinstance(later, BaseException):
+                        queued_error = later  # raised after what came before it
+                        break
+                    item = merge_deltas(item, later)
                 finished = item.finished
                 yield item
                 if finished:

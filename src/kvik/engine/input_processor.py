@@ -80,14 +80,7 @@ class InputProcessor:
         """Output tokens to allow. Strict (the server, as OpenAI): a request for more than the
         context has room for is a 400 naming the limit and the counts. Not strict (the offline API,
         as vLLM): capped to the room."""
-        room = self.max_model_len - num_prompt_tokens
-        if room <= 0 or (strict and requested is not None and requested > room):
-            asked = num_prompt_tokens + (requested or 0)
-            raise ContextLengthExceededError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                f"requested {asked} tokens ({num_prompt_tokens} in the {where}, {requested or 0} in the "
-                "completion). Please reduce the length of the prompt or of max_tokens.",
-                param="max_tokens" if room > 0 else where)
+        room = check_output_room(self.max_model_len, num_prompt_tokens, requested if strict else None, where)
         return room if requested is None else min(requested, room)
 
     def make_request(self, request_id: str, token_ids: list[int], params: SamplingParams,
@@ -140,3 +133,18 @@ class InputProcessor:
             choices = ", ".join(map(str, allowed or [size])) if allowed else f"1 to {size}"
             raise InvalidRequestError(f"dimensions: {dimensions} is not supported; this model allows "
                                       f"{choices}", param="dimensions")
+
+
+def check_output_room(max_model_len: int, num_prompt_tokens: int, requested: int | None, where: str) -> int:
+    """The context left for output after the prompt; raises if there is none, or (when `requested`
+    is given) less than requested. Shared by the server and the tokenizer workers, which refuse an
+    over-long prompt before shipping its ids back."""
+    room = max_model_len - num_prompt_tokens
+    if room <= 0 or (requested is not None and requested > room):
+        asked = num_prompt_tokens + (requested or 0)
+        raise ContextLengthExceededError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {asked} tokens ({num_prompt_tokens} in the {where}, {requested or 0} in the "
+            "completion). Please reduce the length of the prompt or of max_tokens.",
+            param="max_tokens" if room > 0 else where)
+    return room

@@ -25,6 +25,7 @@ from kvik.core.chat_template import ChatTemplateError, TemplateLimits
 from kvik.core.errors import ContextLengthExceededError, InvalidRequestError
 from kvik.core.memory import release_freed_memory
 from kvik.core.tokenizer import Tokenizer, TokenizerSpec
+from kvik.engine.input_processor import check_output_room
 
 logger = logging.getLogger("kvik.engine")
 
@@ -61,9 +62,12 @@ def _init_worker(spec: TokenizerSpec, limits: TemplateLimits, memory_limit: int,
     _worker_max_tokens = max_tokens
 
 
-def _check_length(ids: list[int], where: str) -> list[int]:
-    """A prompt that cannot fit the context is refused here, so its (possibly millions of) ids are
-    never shipped to the server."""
+def _check_length(ids: list[int], where: str, reserve_tokens: int | None = None) -> list[int]:
+    """A prompt that cannot fit the context (with the `reserve_tokens` of output the request asked
+    for) is refused here, so its (possibly millions of) ids are never shipped to the server:
+    unpickling a million ids holds the server's GIL for ~60 ms."""
+    if _worker_max_tokens and reserve_tokens:
+        check_output_room(_worker_max_tokens, len(ids), reserve_tokens, where)
     if _worker_max_tokens and len(ids) >= _worker_max_tokens:
         raise ContextLengthExceededError(
             f"This model's maximum context length is {_worker_max_tokens} tokens, but the {where} has "
@@ -86,19 +90,21 @@ def render_and_tokenize(tokenizer: Tokenizer, messages: list[dict[str, Any]], *,
 
 
 def _render_job(messages: list[dict[str, Any]], add_generation_prompt: bool, template: str | None,
-                tools: list[dict[str, Any]] | None, template_kwargs: dict[str, Any]) -> RenderedPrompt:
+                tools: list[dict[str, Any]] | None, template_kwargs: dict[str, Any],
+                reserve_tokens: int | None) -> RenderedPrompt:
     try:
         rendered = render_and_tokenize(_worker_tokenizer, messages, add_generation_prompt=add_generation_prompt,
                                        template=template, tools=tools, template_kwargs=template_kwargs)
-        _check_length(rendered.token_ids, "messages")
+        _check_length(rendered.token_ids, "messages", reserve_tokens)
         return rendered
     finally:  # encoding megabytes allocates hundreds of MB of short-lived buffers
         release_freed_memory()
 
 
-def _tokenize_job(texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+def _tokenize_job(texts: list[str], add_special_tokens: bool, reserve_tokens: int | None) -> list[list[int]]:
     try:
-        return [_check_length(_worker_tokenizer.encode(text, add_special_tokens=add_special_tokens), "prompt")
+        return [_check_length(_worker_tokenizer.encode(text, add_special_tokens=add_special_tokens), "prompt",
+                              reserve_tokens)
                 for text in texts]
     finally:
         release_freed_memory()
@@ -121,13 +127,15 @@ class PreprocessPool:
 
     async def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
                      template: str | None, tools: list[dict[str, Any]] | None,
-                     template_kwargs: dict[str, Any]) -> RenderedPrompt:
+                     template_kwargs: dict[str, Any], reserve_tokens: int | None = None) -> RenderedPrompt:
         future = self._pool.schedule(_render_job, (messages, add_generation_prompt, template, tools,
-                                                   template_kwargs), timeout=self.config.timeout)
+                                                   template_kwargs, reserve_tokens), timeout=self.config.timeout)
         return await self._result(future, "rendering the chat template", "messages")
 
-    async def tokenize(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
-        future = self._pool.schedule(_tokenize_job, (texts, add_special_tokens), timeout=self.config.timeout)
+    async def tokenize(self, texts: list[str], add_special_tokens: bool,
+                       reserve_tokens: int | None = None) -> list[list[int]]:
+        future = self._pool.schedule(_tokenize_job, (texts, add_special_tokens, reserve_tokens),
+                                     timeout=self.config.timeout)
         return await self._result(future, "tokenizing the prompt", "prompt")
 
     async def _result(self, future: Any, what: str, param: str) -> Any:

@@ -104,7 +104,18 @@ class NamedToolChoice(_Request):
     function: NamedFunction
 
 
-class _SamplingFields(_Request):
+class SchedulingFields(_Request):
+    """Scheduling, on every request that reaches the engine (vLLM's `priority`: lower is served
+    first; kvik's `tenant` and `tenant_weight`: the fair-share group and its weight). Trusted like
+    every field from whoever holds the server's key; the gateway overwrites all three from the
+    caller's API key, so its clients cannot set them."""
+
+    priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
+    tenant: str | None = Field(default=None, min_length=1, max_length=256)
+    tenant_weight: float = Field(default=1.0, gt=0, le=1000)
+
+
+class _SamplingFields(SchedulingFields):
     """Fields shared by chat and completions, including vLLM's extensions."""
 
     model: str | None = None
@@ -142,12 +153,6 @@ class _SamplingFields(_Request):
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None  # refused: kvik's JSON whitespace is fixed
     guided_decoding_backend: str | None = None  # ignored: the server has one grammar engine
-    # Scheduling (vLLM's `priority`: lower is served first; kvik's `tenant` and `tenant_weight`: the
-    # fair-share group and its weight). Trusted like every field from whoever holds the server's
-    # key; the gateway overwrites all three from the caller's API key, so its clients cannot set them.
-    priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
-    tenant: str | None = Field(default=None, min_length=1, max_length=256)
-    tenant_weight: float = Field(default=1.0, gt=0, le=1000)
 
     @field_validator("stop")
     @classmethod

@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, StrictInt
 
-from kvik.protocol.openai import _Request
+from kvik.protocol.openai import SchedulingFields
 
 # OpenAI's limit on inputs per embeddings request.
 MAX_INPUTS = 2048
@@ -20,7 +20,7 @@ TokenIds = list[Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]]
 PoolingInput = str | list[str] | TokenIds | list[TokenIds]
 
 
-class EmbeddingRequest(_Request):
+class EmbeddingRequest(SchedulingFields):
     model: str | None = None
     input: PoolingInput
     encoding_format: Literal["float", "base64"] = "float"
@@ -29,7 +29,7 @@ class EmbeddingRequest(_Request):
     user: str | None = None
 
 
-class ClassifyRequest(_Request):
+class ClassifyRequest(SchedulingFields):
     """vLLM's /classify: each input through a `*ForSequenceClassification` model's score head."""
 
     model: str | None = None

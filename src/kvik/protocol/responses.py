@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from kvik.protocol.openai import _Request
+from kvik.protocol.openai import SchedulingFields, _Request
 
 
 class TextFormat(_Request):
@@ -29,7 +29,7 @@ class TextConfig(_Request):
     format: TextFormat | None = None
 
 
-class ResponsesRequest(_Request):
+class ResponsesRequest(SchedulingFields):
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None

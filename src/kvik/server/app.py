@@ -23,6 +23,7 @@ from kvik.core import tracing
 from kvik.core.errors import AuthenticationError, InvalidRequestError, KvikError, RequestTooLargeError
 from kvik.core.memory import release_freed_memory
 from kvik.protocol.errors import error_body, error_from_exception
+from kvik.server.batches.lines import LineServings
 from kvik.server.batches.service import BatchService
 from kvik.server.model_pool import lease_scope
 from kvik.server.routes import batches, generation, lora, models, ops, pooling, responses_api, tokenize
@@ -173,9 +174,10 @@ def create_app(state: ServerState) -> FastAPI:
     app.state.server = state
     app.state.chat = ChatServing(state)
     app.state.completions = CompletionServing(state)
-    app.state.batches = BatchService(state, state.config.batch)
     app.state.pooling = PoolingServing(state)
     app.state.responses = ResponsesServing(state)
+    app.state.batches = BatchService(state, state.config.batch, LineServings(
+        app.state.chat, app.state.completions, app.state.pooling, app.state.responses))
     keyed = [Depends(check_api_key)]
     app.include_router(generation.router, dependencies=keyed)
     app.include_router(pooling.router, dependencies=keyed)

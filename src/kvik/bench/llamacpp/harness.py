@@ -29,7 +29,8 @@ PAIRS: list[dict[str, Any]] = [
     {"name": "int4 vs q4_0", "gguf": "q4_0", "kvik": {"quantization": "int4"}},
     {"name": "int4 vs q4_k_m", "gguf": "q4_k_m", "kvik": {"quantization": "int4"}},
 ]
-DEFAULT_PAIRS = ("f32 vs f32",)  # the only kvik precision that exists today
+# Issue 12's pairs: each kvik precision against llama.cpp's format of about the same bytes per weight.
+DEFAULT_PAIRS = ("bf16 vs f16", "int8 vs q8_0", "int4 vs q4_0")
 
 
 @dataclass(slots=True)

@@ -15,7 +15,7 @@ from typing import Any
 
 from kvik.core.errors import InvalidRequestError
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
 MAX_CUSTOM_ID_CHARS = 512
 
 

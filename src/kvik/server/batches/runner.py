@@ -29,10 +29,8 @@ from kvik.core.errors import KvikError
 from kvik.core.tiers import background_priority
 from kvik.protocol.errors import error_body
 from kvik.server.batches.input_file import BatchLine, parse_input_file
-from kvik.server.batches.lines import LineScheduling, execute_line
+from kvik.server.batches.lines import LineScheduling, LineServings, execute_line
 from kvik.server.batches.store import BatchStore, LineResult
-from kvik.server.serving.chat import ChatServing
-from kvik.server.serving.completions import CompletionServing
 from kvik.server.state import ServerState
 
 logger = logging.getLogger("kvik.server.batches")
@@ -42,12 +40,11 @@ IDLE_POLL_S = 5.0  # how often the worker looks for work when nobody wakes it
 
 
 class BatchRunner:
-    def __init__(self, state: ServerState, store: BatchStore, concurrency: int) -> None:
+    def __init__(self, state: ServerState, store: BatchStore, concurrency: int, servings: LineServings) -> None:
         self.state = state
         self.store = store
         self.slots = asyncio.Semaphore(concurrency)
-        self.chat = ChatServing(state)
-        self.completions = CompletionServing(state)
+        self.servings = servings
         self.priority = background_priority(state.config.tiers)
         self._wake = asyncio.Event()
         self._running: dict[str, asyncio.Task] = {}
@@ -158,7 +155,7 @@ class BatchRunner:
     async def _run_line(self, batch: dict[str, Any], line: BatchLine, scheduling: LineScheduling) -> None:
         request_id = f"batch_req_{secrets.token_hex(12)}"
         try:
-            body = await execute_line(self.state, line.url, line.body, scheduling, self.chat, self.completions)
+            body = await execute_line(self.state, line.url, line.body, scheduling, self.servings)
         except KvikError as exc:
             if exc.http_status == 503 or exc.http_status == 429:
                 return  # not serving right now: not recorded, runs again in the next pass
@@ -181,14 +178,12 @@ class BatchRunner:
             await self.store.run(self.store.record_result, batch["id"], LineResult(line.index, line.custom_id,
                                                                                    False, record))
             return
-        usage = body.get("usage") or {}
+        usage = _usage(body)
         record = {"id": request_id, "custom_id": line.custom_id,
                   "response": {"status_code": 200, "request_id": body.get("id", request_id), "body": body},
                   "error": None}
         result = LineResult(line.index, line.custom_id, True, record,
-                            input_tokens=usage.get("prompt_tokens", 0),
-                            cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
-                            output_tokens=usage.get("completion_tokens", 0))
+                            input_tokens=usage[0], cached_tokens=usage[1], output_tokens=usage[2])
         await self.store.run(self.store.record_result, batch["id"], result)
 
     async def _finish(self, batch: dict[str, Any], status: str, lines: list[BatchLine], done: set[int],
@@ -221,3 +216,14 @@ class BatchRunner:
                "created_at": int(time.time()), "content": content}
         await self.store.run(self.store.add_file, row)
         return file_id
+
+
+def _usage(body: dict[str, Any]) -> tuple[int, int, int]:
+    """(input, cached input, output) tokens of a line's response: chat/completions/embeddings name
+    them prompt/completion tokens, the Responses API input/output tokens."""
+    usage = body.get("usage") or {}
+    if "input_tokens" in usage:
+        details = usage.get("input_tokens_details") or {}
+        return usage["input_tokens"], details.get("cached_tokens", 0), usage.get("output_tokens", 0)
+    details = usage.get("prompt_tokens_details") or {}
+    return usage.get("prompt_tokens", 0), details.get("cached_tokens", 0), usage.get("completion_tokens", 0)

@@ -19,6 +19,7 @@ from typing import Any
 from kvik.core.errors import InvalidRequestError, NotFoundError, ServiceUnavailableError
 from kvik.server.batches.config import BatchConfig
 from kvik.server.batches.input_file import ENDPOINTS, parse_input_file
+from kvik.server.batches.lines import LineServings
 from kvik.server.batches.runner import BatchRunner
 from kvik.server.batches.store import BatchStore
 from kvik.server.state import ServerState
@@ -56,8 +57,9 @@ def caller_from_headers(headers: Any) -> Caller:
 
 
 class BatchService:
-    def __init__(self, state: ServerState, config: BatchConfig) -> None:
+    def __init__(self, state: ServerState, config: BatchConfig, servings: LineServings) -> None:
         self.state = state
+        self.servings = servings
         self.config = config
         self.store: BatchStore | None = None
         self.runner: BatchRunner | None = None
@@ -78,7 +80,7 @@ class BatchService:
             if self.config.db_path is None:
                 raise NotFoundError("the Batch API is off on this server (started with --batch-db none)")
             self.store = BatchStore(self.config.db_path)
-            self.runner = BatchRunner(self.state, self.store, self.config.concurrency)
+            self.runner = BatchRunner(self.state, self.store, self.config.concurrency, self.servings)
             self.runner.start()
             logger.info("batch database: %s", self.config.db_path)
         return self.store

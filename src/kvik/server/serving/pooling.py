@@ -40,26 +40,30 @@ class PoolingServing:
                                       "not embeddings or classification", param="model")
 
     async def embeddings(self, body: EmbeddingRequest, raw: Request) -> Response:
+        return JSONResponse(await self.embeddings_body(body, raw))
+
+    async def embeddings_body(self, body: EmbeddingRequest, raw: Request | None) -> dict[str, Any]:
+        """The embeddings response; `raw` is the client's connection (None for a batch line)."""
         engine, model = await self.state.engine_for(body.model)
         self._refuse_adapter(model)
         engine.input_processor.check_task("embed")
         pooling = PoolingParams(task="embed", dimensions=body.dimensions)
         if body.dimensions is not None:
             engine.input_processor.check_dimensions(body.dimensions)
-        results = await self._run(engine, "embeddings", model, body.input, pooling, raw)
+        results = await self._run(engine, "embeddings", model, body, pooling, raw)
         data = [{"object": "embedding", "index": index,
                  "embedding": (base64.b64encode(result.data_bytes).decode() if body.encoding_format == "base64"
                                else result.data)}
                 for index, result in enumerate(results)]
         tokens = sum(len(r.prompt_token_ids) for r in results)
-        return JSONResponse({"object": "list", "data": data, "model": model,
-                             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+        return {"object": "list", "data": data, "model": model,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
     async def classify(self, body: ClassifyRequest, raw: Request) -> Response:
         engine, model = await self.state.engine_for(body.model)
         self._refuse_adapter(model)
         engine.input_processor.check_task("classify")
-        results = await self._run(engine, "classify", model, body.input, PoolingParams(task="classify"), raw)
+        results = await self._run(engine, "classify", model, body, PoolingParams(task="classify"), raw)
         labels = engine.info.pooling.labels if engine.info.pooling else []
         data = []
         for index, result in enumerate(results):
@@ -74,24 +78,26 @@ class PoolingServing:
                              "usage": {"prompt_tokens": tokens, "total_tokens": tokens,
                                        "completion_tokens": 0}})
 
-    async def _run(self, engine: AsyncLLM, endpoint: str, model: str, raw_input: Any,
-                   pooling: PoolingParams, raw: Request) -> list[PoolingRequestOutput]:
+    async def _run(self, engine: AsyncLLM, endpoint: str, model: str, body: EmbeddingRequest | ClassifyRequest,
+                   pooling: PoolingParams, raw: Request | None) -> list[PoolingRequestOutput]:
         arrival = time.time()
-        prompts = await _token_ids(engine, raw_input)
+        prompts = await _token_ids(engine, body.input)
         request_id = f"{endpoint}-{uuid.uuid4().hex}"
         requests: list[EngineCoreRequest] = []
         for index, ids in enumerate(prompts):
             where = "input" if len(prompts) == 1 else f"input[{index}]"
             try:
                 requests.append(engine.input_processor.make_pooling_request(
-                    f"{request_id}-{index}", ids, pooling, arrival, where=where))
+                    f"{request_id}-{index}", ids, pooling, arrival, where=where, priority=body.priority,
+                    tenant=body.tenant or "", tenant_weight=body.tenant_weight))
             except InvalidRequestError as exc:
                 exc.param = "input"
                 raise
         records = [CallRecord(prompt_tokens=len(r.prompt_token_ids)) for r in requests]
         window = min(len(requests), self.state.config.max_num_seqs)
         admission = Admission(self.state, window, request_id=request_id, endpoint=endpoint, model=model,
-                              arrival=arrival, records=records, stream=False, prompt=None)
+                              arrival=arrival, records=records, stream=False, prompt=None,
+                              reserve=raw is not None)
         try:
             return await unless_disconnected(raw, self._encode_all(engine, model, requests, window))
         except Exception as exc:

@@ -204,7 +204,7 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest, *,
     if rendered is None:
         rendered = await engine.render_chat(messages, add_generation_prompt=body.add_generation_prompt,
                                             template=template, tools=tools, template_kwargs=kwargs,
-                                            input_bytes=input_bytes)
+                                            input_bytes=input_bytes, reserve_tokens=requested)
     ids = rendered.token_ids
     # The context check first, so an over-long conversation names `messages`, not `prompt`.
     max_tokens = processor.resolve_max_tokens(requested, len(ids), "messages")
@@ -254,7 +254,7 @@ async def prepare_completion(state: ServerState, body: CompletionRequest) -> Pre
     if constraint is not None and score_only:
         raise InvalidRequestError("max_tokens: 0 scores the prompt; an output constraint needs output",
                                   param="max_tokens")
-    prompts = await _completion_prompts(engine, body.prompt)
+    prompts = await _completion_prompts(engine, body.prompt, reserve_tokens=body.max_tokens or None)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     prepared = PreparedRequest(request_id, model, arrival, engine)
     k = body.logprobs
@@ -284,8 +284,10 @@ async def prepare_completion(state: ServerState, body: CompletionRequest) -> Pre
     return prepared
 
 
-async def _completion_prompts(engine: AsyncLLM, prompt: Any) -> list[tuple[str, list[int]]]:
-    """(text, token ids) per prompt, from any of the four accepted shapes."""
+async def _completion_prompts(engine: AsyncLLM, prompt: Any, *, reserve_tokens: int | None = None
+                             ) -> list[tuple[str, list[int]]]:
+    """(text, token ids) per prompt, from any of the four accepted shapes; `reserve_tokens` of
+    output must fit after each (checked in the tokenizer workers for large prompts)."""
     if isinstance(prompt, str):
         prompt = [prompt]
     if not prompt:
@@ -295,7 +297,7 @@ async def _completion_prompts(engine: AsyncLLM, prompt: Any) -> list[tuple[str, 
     texts = [item for item in prompt if isinstance(item, str)]
     if any(not text for text in texts):
         raise InvalidRequestError("prompt: is empty; give at least one token", param="prompt")
-    encoded = iter(await engine.tokenize(texts) if texts else [])
+    encoded = iter(await engine.tokenize(texts, reserve_tokens=reserve_tokens) if texts else [])
     tokenizer = engine.tokenizer
     return [(item, next(encoded)) if isinstance(item, str)
             else (tokenizer.decode(list(item), skip_special_tokens=False), list(item))

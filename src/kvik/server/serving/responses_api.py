@@ -98,15 +98,30 @@ class ResponsesServing:
 
     async def create(self, body: ResponsesRequest, raw: Request) -> Response:
         turn = await self._prepare(body)
+        if body.stream:
+            admission, stream, engine_text = self._start(turn, raw)
+            return SSEResponse(self._events(turn, stream, engine_text, admission), on_close=admission.release)
+        return JSONResponse(await self._complete(turn, raw))
+
+    async def response_body(self, body: ResponsesRequest) -> dict[str, Any]:
+        """The response object of a non-streamed request with no client connection (a batch line)."""
+        return await self._complete(await self._prepare(body), None)
+
+    def _start(self, turn: Turn, raw: Request | None = None
+               ) -> tuple[Admission, AsyncIterator[RequestOutput], EngineText]:
         prompt = turn.prepared.prompts[0]
         admission = Admission(self.state, 1, request_id=turn.response_id, endpoint="responses",
                               model=turn.prepared.model, arrival=turn.prepared.arrival,
-                              records=[prompt.record], stream=body.stream, prompt=prompt.text)
+                              records=[prompt.record], stream=turn.body.stream, prompt=prompt.text,
+                              reserve=raw is not None)
         engine_text = EngineText()
         stream = recorded(tracked_generate(self.state, turn.prepared.engine, prompt.request, prompt.text,
                                            prompt.record), engine_text)
-        if body.stream:
-            return SSEResponse(self._events(turn, stream, engine_text, admission), on_close=admission.release)
+        return admission, stream, engine_text
+
+    async def _complete(self, turn: Turn, raw: Request | None) -> dict[str, Any]:
+        """`raw` is the client's connection; None for a batch line."""
+        admission, stream, engine_text = self._start(turn, raw)
         try:
             choices = await unless_disconnected(raw, ChatServing.collect(stream))
         except Exception as exc:
@@ -120,7 +135,7 @@ class ResponsesServing:
         response = self._response(turn, "incomplete" if choice["finish_reason"] == "length" else "completed",
                                   output)
         await self._store(turn, response, output, engine_text)
-        return JSONResponse(response)
+        return response
 
     async def _prepare(self, body: ResponsesRequest) -> Turn:
         state = self.state

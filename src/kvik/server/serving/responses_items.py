@@ -143,7 +143,8 @@ def chat_fields(body: ResponsesRequest, messages: list[dict[str, Any]]) -> dict[
             raise InvalidRequestError(f"{name}: is not supported by this server", param=name)
     fields: dict[str, Any] = {"model": body.model, "messages": messages, "temperature": body.temperature,
                               "top_p": body.top_p, "max_completion_tokens": body.max_output_tokens,
-                              "seed": body.seed, "user": body.user, "cache_salt": body.cache_salt}
+                              "seed": body.seed, "user": body.user, "cache_salt": body.cache_salt,
+                              "priority": body.priority, "tenant": body.tenant, "tenant_weight": body.tenant_weight}
     tools = chat_tools(body)
     if tools:
         fields["tools"] = tools

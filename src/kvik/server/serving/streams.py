@@ -117,8 +117,11 @@ class ClientDisconnected(Exception):
     http_status = 499  # nginx's "client closed request", for the request log
 
 
-async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Run `work`, but cancel it (aborting its engine requests) if the client disconnects."""
+async def unless_disconnected(request: Request | None, work: Awaitable[T]) -> T:
+    """Run `work`, but cancel it (aborting its engine requests) if the client disconnects. Without
+    a client connection (a batch line) it simply runs `work`."""
+    if request is None:
+        return await work
     task = asyncio.ensure_future(work)
 
     async def wait_disconnect() -> None:

@@ -83,8 +83,12 @@ class Admission:
 
     def __init__(self, state: ServerState, num_sequences: int, *, request_id: str, endpoint: str,
                  model: str, arrival: float, records: list[CallRecord], stream: bool,
-                 prompt: Any) -> None:
-        state.admit(num_sequences)
+                 prompt: Any, reserve: bool = True) -> None:
+        # Batch lines (reserve=False) have their own concurrency limit and never take the
+        # capacity interactive clients are admitted against.
+        num_sequences = num_sequences if reserve else 0
+        if num_sequences:
+            state.admit(num_sequences)
         self.state, self.num_sequences = state, num_sequences
         self.log = dict(request_id=request_id, endpoint=endpoint, model=model, arrival=arrival,
                         records=records, stream=stream, prompt=prompt)
