@@ -222,3 +222,16 @@ def test_chunked_prefill_and_preemption_keep_adapter_tokens_exact(lora_base, tra
     core = llm.engine.core
     assert core.scheduler.num_preemptions > 0
     assert all(entry.pins == 0 for entry in core.adapters.adapters.values())
+
+
+def test_weight_sync_updates_the_base_under_the_adapters(lora_base, trained_adapters, model_dir_factory) -> None:
+    """update_weights reaches the base layers inside the LoRA wrappers (oneDNN-packed included): after
+    loading another base's weights, adapters apply on top of the new base."""
+    from safetensors.torch import load_file
+
+    new_base = model_dir_factory("llama", "tiny", seed=7)
+    adapters = dict(list(trained_adapters.items())[:2])
+    llm = make_llm(lora_base, adapters, max_loras=2)
+    llm.update_weights(load_file(str(new_base / "model.safetensors")))
+    prompts, names = mixed_batch(adapters)
+    check_parity(new_base, adapters, prompts, names, llm.generate(prompts, GREEDY, lora=names))

@@ -33,6 +33,7 @@ from torch import nn
 
 from kvik.core.errors import InvalidRequestError, MissingWeightsError
 from kvik.engine.kv_manager import KVCacheManager
+from kvik.model.lora import LoRALinear
 from kvik.model.quant.linear import WeightOnlyLinear
 from kvik.model.transforms.onednn_linear import PACKING_BATCH_HINT, OneDNNLinear, _packed_floats
 
@@ -119,12 +120,19 @@ def _module_param(name: str) -> tuple[str, str, str]:
     return parent, attr, leaf
 
 
+def _linears(model: nn.Module) -> Iterable[tuple[str, nn.Module]]:
+    """Every module by name, with a LoRA wrapper's base layer under the wrapper's name (the wrapper
+    shares the base's parameters; its packed or quantized storage is the base's own)."""
+    for name, module in model.named_modules():
+        yield name, module.base if isinstance(module, LoRALinear) else module
+
+
 @torch.no_grad()
 def load_weights_in_place(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]
                           ) -> tuple[int, int]:
     """Copy HF-named tensors into `model` (see the module docstring); returns (tensors, repacked)."""
     loader = model.weight_loader()
-    packed = {name: m for name, m in model.named_modules() if isinstance(m, OneDNNLinear)}
+    packed = {name: m for name, m in _linears(model) if isinstance(m, OneDNNLinear)}
     staged: dict[str, _Staged] = {}
     written_direct: set[str] = set()
     copied = 0
@@ -202,7 +210,7 @@ def update_engine_weights(engine: object, weights: Mapping[str, torch.Tensor]
     if engine.has_unfinished_requests():
         raise InvalidRequestError("update_weights: the engine still has unfinished requests; "
                                   "update between generate() calls")
-    quantized = next((m for m in engine.model.modules() if isinstance(m, WeightOnlyLinear)), None)
+    quantized = next((m for _, m in _linears(engine.model) if isinstance(m, WeightOnlyLinear)), None)
     if quantized is not None:
         # Re-quantizing in place is possible but not built: the compiled kernels hold addresses of
         # the packed int8/int4/bfloat16 buffers, and a trainer wants its float weights served as is.
