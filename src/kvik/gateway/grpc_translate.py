@@ -72,17 +72,21 @@ def plan(path: str, body: dict[str, Any], stream: bool) -> GrpcPlan:
 
 
 def _refuse_not_carried(body: dict[str, Any], fields: dict[str, tuple[Any, ...]]) -> None:
-    best_of = body.get("best_of")
-    if best_of is not None and best_of != body.get("n", 1):
-        fields = {**fields, "best_of": (best_of,)}
     for name, unused in fields.items():
         if name in body and not any(body[name] == value and type(body[name]) is type(value) for value in unused):
             if name == "response_format" and isinstance(body[name], dict) and body[name].get("type") == "text":
                 continue  # free text: the default
-            raise NotCarriedError(
-                f"{name}: this model is served by gRPC replicas (grpc:// in the gateway's config), whose API "
-                f"does not carry `{name}`; leave it out, or ask the operator to add an http:// replica of the "
-                "model, which gets such requests", param=name)
+            raise _not_carried(name)
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != body.get("n", 1):  # kvik serve answers best_of == n only
+        raise _not_carried("best_of")
+
+
+def _not_carried(name: str) -> NotCarriedError:
+    return NotCarriedError(
+        f"{name}: this model is served by gRPC replicas (grpc:// in the gateway's config), whose API does not "
+        f"carry `{name}`; leave it out, or ask the operator to add an http:// replica of the model, which gets "
+        "such requests", param=name)
 
 
 def _set(message: Any, name: str, value: Any, where: str) -> None:
@@ -142,8 +146,9 @@ def _generate_request(body: dict[str, Any]) -> pb.GenerateRequest:
         _extend(request.token_ids.ids, prompt, "prompt")
         request.token_ids.SetInParent()  # an empty list is still a (refused) prompt, not a missing one
     elif isinstance(prompt, list):
-        raise NotCarriedError("prompt: kvik's gRPC API takes one prompt per request (this model's replicas "
-                              "are gRPC-only); send the prompts as separate requests", param="prompt")
+        raise NotCarriedError("prompt: this model is served by gRPC replicas (grpc:// in the gateway's config), "
+                              "whose API takes one prompt per request; send the prompts as separate requests, "
+                              "or ask the operator to add an http:// replica of the model", param="prompt")
     else:
         raise InvalidRequestError("prompt: send a string, or a list of token ids", param="prompt")
     _sampling(body, request.sampling, request.scheduling, body.get("max_tokens"))
