@@ -24,7 +24,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.gateway.harness import Gateway, GatewayFactory, KvikServe, free_port, model_config, wait_for
+from tests.gateway.harness import (UPSTREAM_MODEL, Gateway, GatewayFactory, KvikServe, free_port, model_config,
+                                   wait_for)
 
 pytest.importorskip("torch")  # the replicas are kvik serve, which needs torch (the gateway does not)
 
@@ -350,6 +351,34 @@ def test_a_client_that_leaves_a_non_streaming_request_stops_the_generation(gatew
     if entry["completion_tokens"] == 480 and entry["latency_ms"] < 500:
         pytest.skip("the replica generated 480 tokens before the client left; nothing to abort")
     assert entry["completion_tokens"] < 480 and "length" not in entry["finish_reasons"], entry
+
+
+@BOTH_TRANSPORTS
+def test_an_answer_slower_than_read_s_fails_over_and_each_replica_stops_generating(
+        gateways: GatewayFactory, replicas: list[KvikServe], transport: str) -> None:
+    """`timeouts.read_s` bounds a non-streaming try; the abandoned try's generation is aborted in the
+    replica (over gRPC: the call's deadline), the request goes to the other replica, and when that one
+    is too slow as well the client gets a 502 that says so."""
+    slow = gateways.start({
+        "models": [{"name": "tiny", "upstream_model": UPSTREAM_MODEL,
+                    "replicas": [{"url": r.replica_url(transport)} for r in replicas]}],
+        "auth": {"enabled": False}, "timeouts": {"read_s": 0.5},
+    }, name=f"read-timeout-{transport}")
+    marker = f"too-slow-{secrets.token_hex(4)}"
+    with slow.client() as client:
+        response = client.post("/v1/chat/completions", json=chat("tiny", marker, max_tokens=480, ignore_eos=True))
+
+    def logged() -> list[dict[str, Any]]:
+        return [e for r in replicas for e in r.request_log() if marker in json.dumps(e.get("prompt"))]
+
+    wait_for(lambda: len(logged()) == 2, timeout=30)
+    entries = logged()
+    if any(e["completion_tokens"] == 480 and e["latency_ms"] < 500 for e in entries):
+        pytest.skip("a replica generated 480 tokens within read_s; nothing timed out")
+    assert response.status_code == 502, response.text
+    assert "(2 tried, last: timeout)" in response.json()["error"]["message"]
+    assert sorted(e["endpoint"] for e in entries) == ["chat", "chat"]
+    assert all(e["completion_tokens"] < 480 and "length" not in e["finish_reasons"] for e in entries), entries
 
 
 @BOTH_TRANSPORTS

@@ -177,6 +177,10 @@ class GrpcUpstream:
         if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
             raise GrpcReadTimeout("the replica did not answer within timeouts.read_s") from None
         error = _replica_error(exc)
+        if error is None and exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED:
+            # gRPC's own refusal of a message over the replica's --max-body-bytes: the request's fault.
+            error = (413, error_body(f"the request is larger than the replica accepts ({exc.details()})",
+                                     "invalid_request_error", None, "request_too_large"), None)
         if error is None:
             raise GrpcConnectError(f"gRPC {exc.code().name}: {exc.details()}") from None
         status, body, retry_after = error
@@ -192,6 +196,12 @@ class GrpcUpstream:
         except grpc.aio.AioRpcError:
             return False
         return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    async def forget(self, url: str) -> None:
+        """Close the channel to a replica that left the configuration (a later call reopens it)."""
+        channel = self._channels.pop(url, None)
+        if channel is not None:
+            await channel.close()
 
     async def close(self) -> None:
         for channel in self._channels.values():
