@@ -273,8 +273,15 @@ def compare_transports(tmp: Path, *, rounds: int, requests: int, throughput_requ
     for (transport, stream), values in samples.items():
         medians = {name: statistics.median(series) for name, series in values.items()}
         rows.append({"transport": transport, "stream": stream, **medians,
-                     "added_p50_ms": medians["gateway_p50_ms"] - medians["direct_p50_ms"]})
-    return {"rounds": rounds, "requests": requests, "throughput_requests": throughput_requests, "rows": rows}
+                     "added_p50_ms": medians["gateway_p50_ms"] - medians["direct_p50_ms"], "per_round": values})
+    by_key = {(row["transport"], row["stream"]): row for row in rows}
+    ratios = {}
+    for stream in (False, True):
+        http, grpc_row = by_key[("http", stream)], by_key[("grpc", stream)]
+        ratios["stream" if stream else "unary"] = {
+            name: grpc_row[name] / http[name] for name in ("gateway_cpu_ms", "gateway_p50_ms", "rps")}
+    return {"rounds": rounds, "requests": requests, "throughput_requests": throughput_requests, "rows": rows,
+            "grpc_over_http": ratios}
 
 
 def print_transports(result: dict) -> None:
@@ -287,12 +294,11 @@ def print_transports(result: dict) -> None:
         print(f"{row['transport']:8} {str(row['stream']):6} {row['direct_p50_ms']:11.2f} {row['gateway_p50_ms']:12.2f} "
               f"{row['added_p50_ms']:10.2f} {row['rps']:7.0f} {row['gateway_cpu_ms']:19.2f}")
     for stream in (False, True):
-        http, grpc = by_key.get(("http", stream)), by_key.get(("grpc", stream))
-        if http is None or grpc is None:
-            continue
-        print(f"gRPC / HTTP, stream={stream}: gateway CPU per request {grpc['gateway_cpu_ms'] / http['gateway_cpu_ms']:.2f}x, "
-              f"gateway p50 {grpc['gateway_p50_ms'] / http['gateway_p50_ms']:.2f}x, throughput "
-              f"{grpc['rps'] / http['rps']:.2f}x, added p50 {grpc['added_p50_ms']:.2f} vs {http['added_p50_ms']:.2f} ms")
+        ratio = result["grpc_over_http"]["stream" if stream else "unary"]
+        http, grpc_row = by_key[("http", stream)], by_key[("grpc", stream)]
+        print(f"gRPC / HTTP, stream={stream}: gateway CPU per request {ratio['gateway_cpu_ms']:.2f}x, gateway p50 "
+              f"{ratio['gateway_p50_ms']:.2f}x, throughput {ratio['rps']:.2f}x; added p50 "
+              f"{grpc_row['added_p50_ms']:.2f} vs {http['added_p50_ms']:.2f} ms")
 
 
 def _per_request_ms(before: float | None, after: float | None, requests: int) -> float | None:
