@@ -243,3 +243,32 @@ def test_draining_is_unavailable_and_health_turns_not_serving(server_factory) ->
     tokens = len(first.choices[0].token_ids) + sum(len(c.token_ids) for m in rest for c in m.choices)
     assert tokens == 300 and rest[-1].usage.completion_tokens == 300
     assert server.process.wait(timeout=30) == 0
+
+
+def test_an_engine_death_is_unavailable_and_health_turns_not_serving(server_factory) -> None:
+    psutil = pytest.importorskip("psutil")
+    grpc_port = free_port()
+    server = server_factory("--grpc-port", str(grpc_port))
+    assert server.process is not None
+    engines = [child for child in psutil.Process(server.process.pid).children()
+               if any("libtorch" in m.path for m in child.memory_maps())]
+    assert len(engines) == 1
+    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+        stub = pb_grpc.InferenceStub(channel)
+        health = health_pb2_grpc.HealthStub(channel)
+        call = stub.GenerateStream(pb.GenerateRequest(model="tiny", text="doomed", sampling=pb.SamplingParams(
+            max_tokens=LONG, ignore_eos=True)))
+        next(call)
+        engines[0].kill()
+        with pytest.raises(grpc.RpcError) as caught:
+            list(call)
+        assert caught.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert dict(caught.value.trailing_metadata())["kvik-error-code"] == "engine_dead"
+        # Health follows at once; the process exits (status 1) a second after the engine died.
+        status = health.Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=5).status
+        deadline = time.monotonic() + 0.5
+        while status != health_pb2.HealthCheckResponse.NOT_SERVING and time.monotonic() < deadline:
+            time.sleep(0.02)
+            status = health.Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=5).status
+        assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert server.process.wait(timeout=30) == 1

@@ -24,7 +24,7 @@ from kvik.server.state import ServerState
 
 logger = logging.getLogger("kvik.server.grpc")
 
-HEALTH_POLL_S = 0.25  # how soon health follows a change of state (drain, engine death)
+HEALTH_POLL_S = 0.1  # seconds: how soon health follows a change of state (drain, engine death)
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
