@@ -354,6 +354,27 @@ def test_a_client_that_leaves_a_non_streaming_request_stops_the_generation(gatew
 
 
 @BOTH_TRANSPORTS
+def test_a_client_that_leaves_a_stream_stops_the_generation(gateway: Gateway, key: str,
+                                                            replicas: list[KvikServe]) -> None:
+    """The relay's end closes the upstream stream (over gRPC: cancels the call); kvik serve aborts."""
+    marker = f"left-stream-{secrets.token_hex(4)}"
+    body = chat("tiny", marker, max_tokens=480, ignore_eos=True, stream=True)
+    with gateway.client(key) as client, client.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        received: list[str] = []
+        while len(received) < 2:
+            received += sse_payloads(iter([next(lines)]))
+
+    def logged() -> list[dict[str, Any]]:
+        return [e for r in replicas for e in r.request_log() if marker in json.dumps(e.get("prompt"))]
+
+    wait_for(lambda: len(logged()) == 1, timeout=30)
+    entry = logged()[0]
+    assert entry["completion_tokens"] < 480 and "length" not in entry["finish_reasons"], entry
+
+
+@BOTH_TRANSPORTS
 def test_an_answer_slower_than_read_s_fails_over_and_each_replica_stops_generating(
         gateways: GatewayFactory, replicas: list[KvikServe], transport: str) -> None:
     """`timeouts.read_s` bounds a non-streaming try; the abandoned try's generation is aborted in the
