@@ -122,3 +122,41 @@ def test_grpc_replica_urls_in_the_config() -> None:
     with pytest.raises(ConfigError, match=r"batches\.upstream: .*HTTP only"):
         parse_config({"models": [{"name": "m", "replicas": [{"url": "http://127.0.0.1:1"}]}],
                       "batches": {"upstream": {"url": "grpc://127.0.0.1:50051"}}})
+
+
+def test_kvik_serves_chat_objects_survive_the_grpc_round_trip() -> None:
+    """What kvik serve's HTTP API would send (tool calls, reasoning, usage) comes out of the gateway
+    unchanged after the replica's conversion to protobuf (kvik.server.grpc.convert) and the
+    gateway's conversion back."""
+    from kvik.server.grpc import convert
+
+    header = {"id": "chatcmpl-9", "object": "chat.completion.chunk", "created": 11, "model": "tiny",
+              "system_fingerprint": None}
+
+    def chunk(delta, finish=None):
+        return {**header, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+                "usage": None}
+
+    chunks = [chunk({"role": "assistant", "content": ""}), chunk({"reasoning_content": "let me see"}),
+              chunk({"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                                     "function": {"name": "get_time", "arguments": ""}}]}),
+              chunk({"tool_calls": [{"index": 0, "function": {"arguments": "{\"zone\": \"Europe/Oslo\"}"}}]}),
+              chunk({}, "tool_calls"),
+              {**header, "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 9, "total_tokens": 14,
+                                                  "prompt_tokens_details": {"cached_tokens": 0}}}]
+    translated = plan(CHAT_PATH, chat(stream=True, stream_options={"include_usage": True}), True)
+    for sent in chunks:
+        frame = stream_frames(translated, convert.chat_stream_response(sent))
+        assert json.loads(frame.removeprefix(b"data: ")) == sent
+
+    body = {"id": "chatcmpl-9", "object": "chat.completion", "created": 11, "model": "tiny",
+            "system_fingerprint": None,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": None, "reasoning_content": "hm",
+                                                 "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                                                     "name": "get_time", "arguments": "{}"}}]},
+                         "logprobs": None, "finish_reason": "tool_calls", "stop_reason": None},
+                        {"index": 1, "message": {"role": "assistant", "content": "plain"}, "logprobs": None,
+                         "finish_reason": "stop", "stop_reason": 7}],
+            "usage": {"prompt_tokens": 5, "completion_tokens": 9, "total_tokens": 14,
+                      "prompt_tokens_details": {"cached_tokens": 3}}}
+    assert json.loads(answer_json(plan(CHAT_PATH, chat(), False), convert.chat_response(body))) == body
