@@ -374,6 +374,34 @@ def test_a_client_that_leaves_a_stream_stops_the_generation(gateway: Gateway, ke
     assert entry["completion_tokens"] < 480 and "length" not in entry["finish_reasons"], entry
 
 
+def test_what_grpc_cannot_carry_goes_to_an_http_replica_or_gets_a_400(gateways: GatewayFactory,
+                                                                       replicas: list[KvikServe]) -> None:
+    """`logprobs` is not in kvik's gRPC API: with a model of one grpc:// and one http:// replica it is
+    served by the http one (every time), and a gRPC-only model refuses it naming the field."""
+    grpc_replica, http_replica = replicas
+    mixed = gateways.start({
+        "models": [{"name": "mixed", "upstream_model": UPSTREAM_MODEL,
+                    "replicas": [{"url": grpc_replica.grpc_url}, {"url": http_replica.url}]},
+                   {"name": "grpc-only", "upstream_model": UPSTREAM_MODEL,
+                    "replicas": [{"url": grpc_replica.grpc_url}]}],
+        "auth": {"enabled": False},
+    }, name="mixed-transports")
+    marker = f"logprobs-{secrets.token_hex(4)}"
+    with mixed.client() as client:
+        answers = [client.post("/v1/chat/completions", json=chat("mixed", f"{marker} {i}", logprobs=True,
+                                                                 top_logprobs=2)) for i in range(4)]
+        plain = [client.post("/v1/chat/completions", json=chat("mixed", f"plain-{marker[9:]} {i}"))
+                 for i in range(4)]
+        refused = client.post("/v1/chat/completions", json=chat("grpc-only", "hi", logprobs=True))
+    assert [r.status_code for r in answers + plain] == [200] * 8
+    assert all(r.json()["choices"][0]["logprobs"]["content"] for r in answers)
+    assert times_logged(replicas, marker) == {grpc_replica.name: 0, http_replica.name: 4}
+    assert sum(times_logged(replicas, f"plain-{marker[9:]}").values()) == 4  # the others use both
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert (error["param"], error["code"]) == ("logprobs", "not_supported_over_grpc") and "http://" in error["message"]
+
+
 @BOTH_TRANSPORTS
 def test_an_answer_slower_than_read_s_fails_over_and_each_replica_stops_generating(
         gateways: GatewayFactory, replicas: list[KvikServe], transport: str) -> None:
