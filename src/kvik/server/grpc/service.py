@@ -17,6 +17,7 @@ stream then aborts the request in the engine (as a client disconnect does over H
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import logging
@@ -84,12 +85,32 @@ class InferenceService(pb_grpc.InferenceServicer):
     def __init__(self, state: ServerState) -> None:
         self.state = state
         self.completions = CompletionServing(state)
+        self._aborts: set[asyncio.Task[None]] = set()
+
+    def _ended(self, prepared: PreparedRequest, admission: Admission, exc: BaseException) -> None:
+        """A call that ended early: its status for the request log, and for a cancelled call (client
+        gone, deadline passed) an abort of its engine requests in a task of its own. The streams'
+        own clean-up aborts them too, but a second cancellation of the call can cut that short;
+        aborting twice is harmless."""
+        admission.fail(_status_of(exc), str(exc))
+        if isinstance(exc, Exception):
+            return
+        for prompt in prepared.prompts:
+            task = asyncio.ensure_future(prepared.engine.abort(prompt.request.request_id))
+            self._aborts.add(task)
+            task.add_done_callback(self._aborts.discard)
 
     @contextlib.asynccontextmanager
     async def _call(self, context: grpc.aio.ServicerContext, method: str) -> AsyncIterator[None]:
         """Key check, drain accounting, the trace span, model leases, and errors as status codes."""
         state = self.state
         state.request_started()  # the drain waits for calls in flight, as for HTTP requests
+        # The call's deadline, enforced here too: a loaded server was seen to miss gRPC's own
+        # cancellation and generate a whole answer nobody would read.
+        remaining = context.time_remaining()
+        deadline = None
+        if remaining is not None:
+            deadline = asyncio.get_running_loop().call_later(max(0.0, remaining), _cancel, asyncio.current_task())
         try:
             with tracing.server_span(f"{SERVICE_NAME}/{method}", _trace_headers(context),
                                      {"rpc.system": "grpc", "rpc.service": SERVICE_NAME, "rpc.method": method}), \
@@ -109,6 +130,8 @@ class InferenceService(pb_grpc.InferenceServicer):
                     await context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {type(exc).__name__}",
                                         trailing_metadata=(("kvik-error-type", "server_error"),))
         finally:
+            if deadline is not None:
+                deadline.cancel()
             state.request_finished()
 
     def _authorize(self, context: grpc.aio.ServicerContext) -> None:
@@ -148,7 +171,7 @@ class InferenceService(pb_grpc.InferenceServicer):
                 choices = await ChatServing.collect(
                     tracked_generate(self.state, prepared.engine, prompt.request, prompt.text, prompt.record))
             except BaseException as exc:
-                admission.fail(_status_of(exc), str(exc))
+                self._ended(prepared, admission, exc)
                 raise
             finally:
                 admission.release()
@@ -167,7 +190,7 @@ class InferenceService(pb_grpc.InferenceServicer):
                 async for chunk in ChatServing.chunk_stream(body, prepared, stream):
                     yield convert.chat_stream_response(chunk)
             except BaseException as exc:
-                admission.fail(_status_of(exc), str(exc))
+                self._ended(prepared, admission, exc)
                 raise
             finally:
                 admission.release()
@@ -186,7 +209,7 @@ class InferenceService(pb_grpc.InferenceServicer):
                 # The HTTP endpoint's own collection and response object.
                 choices, prompt_logprobs = await self.completions._collect(streams)
             except BaseException as exc:
-                admission.fail(_status_of(exc), str(exc))
+                self._ended(prepared, admission, exc)
                 raise
             finally:
                 admission.release()
@@ -221,10 +244,15 @@ class InferenceService(pb_grpc.InferenceServicer):
                         yield pb.GenerateStreamResponse(**header, choices=choices)
                 yield pb.GenerateStreamResponse(**header, usage=convert.usage(records_usage(records)))
             except BaseException as exc:
-                admission.fail(_status_of(exc), str(exc))
+                self._ended(prepared, admission, exc)
                 raise
             finally:
                 admission.release()
+
+
+def _cancel(task: asyncio.Task[Any] | None) -> None:
+    if task is not None and not task.done():
+        task.cancel()
 
 
 def _status_of(exc: BaseException) -> int:
