@@ -9,7 +9,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PORT   ?= 8000
 
-.PHONY: serve test demo demo-model web screenshots clean
+.PHONY: serve test demo demo-model web screenshots clean protos
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,11 @@ demo-model: $(STAMP)
 test: $(STAMP) web
 	$(BIN)/lint-imports
 	$(BIN)/pytest
+
+# Regenerate the gRPC modules (src/kvik/protocol/grpc/*_pb2*.py, committed) after editing inference.proto.
+protos: $(STAMP)
+	$(BIN)/python -m grpc_tools.protoc -I src --python_out=src --pyi_out=src --grpc_python_out=src \
+		src/kvik/protocol/grpc/inference.proto
 
 # Retake the README's screenshots of the chat page and the console (docs/img/).
 screenshots: $(STAMP) web

@@ -142,16 +142,28 @@ class KvikServe(ServerProcess):
 
     REQUEST_LOG_MARK = "kvik.server.requests: "
 
-    def __init__(self, name: str, model_dir: Path, port: int, log_dir: Path) -> None:
+    def __init__(self, name: str, model_dir: Path, port: int, log_dir: Path, *, grpc_port: int | None = None) -> None:
+        self.grpc_port = grpc_port  # also serves kvik's gRPC API there (`--grpc-port`) when set
         # One torch thread: two replicas, a gateway and the test share two busy cores. The PyTorch
         # attention path: the compiled CPU kernel is built on first use (30-50 s on two busy cores)
         # in a build directory that other checkouts on the machine rebuild for their own torch, and
         # these tests are about the gateway, not the kernel.
-        super().__init__(kvik_serve_command(model_dir, port, log_prompts=True), port,
+        grpc_flags = ["--grpc-port", str(grpc_port)] if grpc_port is not None else []
+        super().__init__([*kvik_serve_command(model_dir, port, log_prompts=True), *grpc_flags], port,
                          log_dir / f"kvik-serve-{name}-{port}.log",
                          env={"OMP_NUM_THREADS": "1", "KVIK_CPU_KERNELS": "0"}, model_name=UPSTREAM_MODEL,
                          stop_timeout=STOP_TIMEOUT_S)
         self.name = name
+
+    @property
+    def grpc_url(self) -> str:
+        """The replica URL the gateway reaches its gRPC API at."""
+        assert self.grpc_port is not None, "started without a gRPC port"
+        return f"grpc://127.0.0.1:{self.grpc_port}"
+
+    def replica_url(self, transport: str) -> str:
+        """This replica in a gateway config: over HTTP ("http") or kvik's gRPC API ("grpc")."""
+        return self.grpc_url if transport == "grpc" else self.url
 
     def warm_up(self, concurrency: int = 8) -> None:
         """Direct requests in one batch, so first-use costs (new batch shapes) are paid before any

@@ -6,7 +6,9 @@ read from the replicas themselves, never from the gateway: `kvik:request_success
 `/metrics` (one per finished request, n=1 here) and the JSON line each writes per request, which
 with `--log-prompts` holds the prompt text it received (chat prompts after the chat template).
 
-The failover test kills a replica with SIGKILL and restarts it on the same port, so it runs last.
+The replicas serve kvik's gRPC API too (`--grpc-port`); the tests marked `BOTH_TRANSPORTS` run once
+with the gateway reaching them over HTTP and once over gRPC (`grpc://` replica URLs), each with its
+own gateway. The failover tests kill a replica (or its engine) and restart it on the same ports.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.gateway.harness import Gateway, GatewayFactory, KvikServe, free_port, model_config, wait_for
+from tests.gateway.harness import (UPSTREAM_MODEL, Gateway, GatewayFactory, KvikServe, free_port, model_config,
+                                   wait_for)
 
 pytest.importorskip("torch")  # the replicas are kvik serve, which needs torch (the gateway does not)
 
@@ -42,7 +45,7 @@ SYSTEM_PROMPT = ("You are the terse assistant of the kvik gateway prefix affinit
 @pytest.fixture(scope="module")
 def replicas(tiny_llama: Path, workdir: Path) -> Iterator[list[KvikServe]]:
     """Two kvik serve replicas of the tiny Llama, loading in parallel; one gets killed and restarted."""
-    pair = [KvikServe(name, tiny_llama, free_port(), workdir) for name in ("r1", "r2")]
+    pair = [KvikServe(name, tiny_llama, free_port(), workdir, grpc_port=free_port()) for name in ("r1", "r2")]
     try:
         for replica in pair:
             replica.launch()
@@ -56,16 +59,26 @@ def replicas(tiny_llama: Path, workdir: Path) -> Iterator[list[KvikServe]]:
 
 
 @pytest.fixture(scope="module")
-def gateway(gateways: GatewayFactory, replicas: list[KvikServe]) -> Gateway:
+def transport(request: pytest.FixtureRequest) -> str:
+    """How the gateway reaches the replicas: "http" unless a test is parametrized (BOTH_TRANSPORTS)."""
+    return getattr(request, "param", "http")
+
+
+BOTH_TRANSPORTS = pytest.mark.parametrize("transport", ["http", "grpc"], indirect=True)
+
+
+@pytest.fixture(scope="module")
+def gateway(gateways: GatewayFactory, replicas: list[KvikServe], transport: str) -> Gateway:
+    urls = [{"url": replica.replica_url(transport)} for replica in replicas]
     return gateways.start({
-        "models": [model_config("tiny", replicas, aliases=["tiny-latest"]),
-                   model_config("tiny-affine", replicas, balancing="prefix_affinity")],
+        "models": [{**model_config("tiny", replicas, aliases=["tiny-latest"]), "replicas": urls},
+                   {**model_config("tiny-affine", replicas, balancing="prefix_affinity"), "replicas": urls}],
         "guardrails": {"pii": {"enabled": True}},
         # The documented breaker defaults, with a short sleep window to keep the test short. Probes
         # need 3 misses to mark a replica down, so the breaker (passive ejection) acts first.
         "breaker": {"volume_threshold": 20, "error_threshold_percent": 50, "sleep_window_s": 2.0},
         "health": {"interval_s": 0.5, "timeout_s": 1.0, "unhealthy_after": 3},
-    }, name="kvik-serve")
+    }, name=f"kvik-serve-{transport}")
 
 
 def create_key(gateway: Gateway, **spec: Any) -> dict[str, Any]:
@@ -123,6 +136,7 @@ def sse_payloads(lines: Iterator[str]) -> list[str]:
     return [line[len("data: "):] for line in lines if line.startswith("data: ")]
 
 
+@BOTH_TRANSPORTS
 def test_keys_wrong_key_is_401_and_an_allowed_key_works_end_to_end(gateway: Gateway,
                                                                   replicas: list[KvikServe]) -> None:
     before = served(replicas)
@@ -155,6 +169,7 @@ def test_keys_wrong_key_is_401_and_an_allowed_key_works_end_to_end(gateway: Gate
         ("tiny", 1, usage["prompt_tokens"], usage["completion_tokens"])]
 
 
+@BOTH_TRANSPORTS
 def test_streaming_is_relayed_with_the_usage_chunk(gateway: Gateway, replicas: list[KvikServe]) -> None:
     streaming_key = create_key(gateway, name="streaming")
     with gateway.client(streaming_key["key"]) as client:
@@ -232,6 +247,7 @@ def test_prefix_affinity_keeps_each_conversation_on_one_replica(gateway: Gateway
         assert all(e["cached_tokens"] > 0 for e in entries[1:]), entries
 
 
+@BOTH_TRANSPORTS
 def test_cache_hits_a_repeated_greedy_request_and_never_a_sampled_one(gateway: Gateway, key: str,
                                                                       replicas: list[KvikServe]) -> None:
     greedy = f"greedy {secrets.token_hex(4)}"
@@ -276,6 +292,7 @@ def test_cache_hits_a_repeated_greedy_request_and_never_a_sampled_one(gateway: G
     assert sum(times_logged(replicas, seeded).values()) == 1
 
 
+@BOTH_TRANSPORTS
 def test_email_and_card_never_reach_the_replicas(gateway: Gateway, key: str, replicas: list[KvikServe]) -> None:
     marker = f"pii-{secrets.token_hex(4)}"
     secret_text = f"{marker} write to {EMAIL} and charge card {CARD} please"
@@ -295,6 +312,7 @@ def test_email_and_card_never_reach_the_replicas(gateway: Gateway, key: str, rep
         assert EMAIL not in log and CARD not in log and CARD.replace(" ", "") not in log
 
 
+@BOTH_TRANSPORTS
 def test_a_request_that_breaks_every_replica_opens_no_breaker(gateway: Gateway, key: str,
                                                                replicas: list[KvikServe]) -> None:
     """Issue 10, finding 3: `logit_bias: {"²": 1}` made kvik serve answer 500; it now answers 400,
@@ -316,6 +334,7 @@ def test_a_request_that_breaks_every_replica_opens_no_breaker(gateway: Gateway, 
     assert all(n > 0 for n in delta(served(replicas), before).values())  # both replicas still serve
 
 
+@BOTH_TRANSPORTS
 def test_a_client_that_leaves_a_non_streaming_request_stops_the_generation(gateway: Gateway, key: str,
                                                                            replicas: list[KvikServe]) -> None:
     """Issue 10, finding 6: the gateway closes the upstream request, and kvik serve aborts it."""
@@ -334,9 +353,118 @@ def test_a_client_that_leaves_a_non_streaming_request_stops_the_generation(gatew
     assert entry["completion_tokens"] < 480 and "length" not in entry["finish_reasons"], entry
 
 
+@BOTH_TRANSPORTS
+def test_a_client_that_leaves_a_stream_stops_the_generation(gateway: Gateway, key: str,
+                                                            replicas: list[KvikServe]) -> None:
+    """The relay's end closes the upstream stream (over gRPC: cancels the call); kvik serve aborts."""
+    marker = f"left-stream-{secrets.token_hex(4)}"
+    body = chat("tiny", marker, max_tokens=480, ignore_eos=True, stream=True)
+    with gateway.client(key) as client, client.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        received: list[str] = []
+        while len(received) < 2:
+            received += sse_payloads(iter([next(lines)]))
+
+    def logged() -> list[dict[str, Any]]:
+        return [e for r in replicas for e in r.request_log() if marker in json.dumps(e.get("prompt"))]
+
+    wait_for(lambda: len(logged()) == 1, timeout=30)
+    entry = logged()[0]
+    assert entry["completion_tokens"] < 480 and "length" not in entry["finish_reasons"], entry
+
+
+def test_what_grpc_cannot_carry_goes_to_an_http_replica_or_gets_a_400(gateways: GatewayFactory,
+                                                                       replicas: list[KvikServe]) -> None:
+    """`logprobs` is not in kvik's gRPC API: with a model of one grpc:// and one http:// replica it is
+    served by the http one (every time), and a gRPC-only model refuses it naming the field."""
+    grpc_replica, http_replica = replicas
+    mixed = gateways.start({
+        "models": [{"name": "mixed", "upstream_model": UPSTREAM_MODEL,
+                    "replicas": [{"url": grpc_replica.grpc_url}, {"url": http_replica.url}]},
+                   {"name": "grpc-only", "upstream_model": UPSTREAM_MODEL,
+                    "replicas": [{"url": grpc_replica.grpc_url}]}],
+        "auth": {"enabled": False},
+    }, name="mixed-transports")
+    marker = f"logprobs-{secrets.token_hex(4)}"
+    with mixed.client() as client:
+        answers = [client.post("/v1/chat/completions", json=chat("mixed", f"{marker} {i}", logprobs=True,
+                                                                 top_logprobs=2)) for i in range(4)]
+        plain = [client.post("/v1/chat/completions", json=chat("mixed", f"plain-{marker[9:]} {i}"))
+                 for i in range(4)]
+        refused = client.post("/v1/chat/completions", json=chat("grpc-only", "hi", logprobs=True))
+    assert [r.status_code for r in answers + plain] == [200] * 8
+    assert all(r.json()["choices"][0]["logprobs"]["content"] for r in answers)
+    assert times_logged(replicas, marker) == {grpc_replica.name: 0, http_replica.name: 4}
+    assert sum(times_logged(replicas, f"plain-{marker[9:]}").values()) == 4  # the others use both
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert (error["param"], error["code"]) == ("logprobs", "not_supported_over_grpc") and "http://" in error["message"]
+
+
+@BOTH_TRANSPORTS
+def test_an_answer_slower_than_read_s_fails_over_and_each_replica_stops_generating(
+        gateways: GatewayFactory, replicas: list[KvikServe], transport: str) -> None:
+    """`timeouts.read_s` bounds a non-streaming try; the abandoned try's generation is aborted in the
+    replica (over gRPC: the call's deadline), the request goes to the other replica, and when that one
+    is too slow as well the client gets a 502 that says so."""
+    slow = gateways.start({
+        "models": [{"name": "tiny", "upstream_model": UPSTREAM_MODEL,
+                    "replicas": [{"url": r.replica_url(transport)} for r in replicas]}],
+        "auth": {"enabled": False}, "timeouts": {"read_s": 0.5},
+    }, name=f"read-timeout-{transport}")
+    marker = f"too-slow-{secrets.token_hex(4)}"
+    with slow.client() as client:
+        response = client.post("/v1/chat/completions", json=chat("tiny", marker, max_tokens=480, ignore_eos=True))
+
+    def logged() -> list[dict[str, Any]]:
+        return [e for r in replicas for e in r.request_log() if marker in json.dumps(e.get("prompt"))]
+
+    wait_for(lambda: len(logged()) == 2, timeout=30)
+    entries = logged()
+    if any(e["completion_tokens"] == 480 and e["latency_ms"] < 500 for e in entries):
+        pytest.skip("a replica generated 480 tokens within read_s; nothing timed out")
+    assert response.status_code == 502, response.text
+    assert "(2 tried, last: timeout)" in response.json()["error"]["message"]
+    assert sorted(e["endpoint"] for e in entries) == ["chat", "chat"]
+    assert all(e["completion_tokens"] < 480 and "length" not in e["finish_reasons"] for e in entries), entries
+
+
+@BOTH_TRANSPORTS
+def test_a_replica_killed_mid_stream_ends_the_stream_with_an_error_and_no_done(
+        gateway: Gateway, key: str, replicas: list[KvikServe], transport: str) -> None:
+    """Bytes already reached the client, so no failover: the stream ends with an error event in
+    OpenAI's shape and without `data: [DONE]`, so no client takes it for a whole answer."""
+    wait_for(lambda: all(r["healthy"] and r["breaker"] == "closed" for r in gateway.replicas().values()))
+    body = chat("tiny", "a stream cut short", max_tokens=480, ignore_eos=True, stream=True)
+    with gateway.client(key, timeout=60) as client, client.stream("POST", "/v1/chat/completions",
+                                                                 json=body) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        received = []
+        while len(received) < 2:  # the role chunk and the first content
+            received += sse_payloads(iter([next(lines)]))
+        state = gateway.replicas()
+        streaming = [r for r in replicas if state[r.replica_url(transport)]["outstanding"] == 1]
+        assert len(streaming) == 1, state
+        streaming[0].kill9()
+        received += sse_payloads(lines)
+    try:
+        assert "[DONE]" not in received
+        error = json.loads(received[-1])["error"]
+        assert error["message"] == "The replica failed in the middle of the stream.", error
+        assert error["type"] == "server_error" and set(error) == {"message", "type", "param", "code"}
+        assert all("choices" in json.loads(payload) for payload in received[:-1])
+    finally:
+        streaming[0].start(timeout=READY_TIMEOUT_S)  # the same ports, a fresh process
+        wait_for(lambda: gateway.replicas()[streaming[0].replica_url(transport)]["healthy"], timeout=30)
+
+
+@BOTH_TRANSPORTS
 def test_kill9_during_load_every_request_succeeds_and_the_breaker_cycles(
-        gateway: Gateway, key: str, replicas: list[KvikServe]) -> None:
+        gateway: Gateway, key: str, replicas: list[KvikServe], transport: str) -> None:
     alive, victim = replicas
+    victim_url = victim.replica_url(transport)  # how the gateway names it
     wait_for(lambda: all(r["healthy"] and r["breaker"] == "closed" for r in gateway.replicas().values()))
     alive_before = alive.requests_served()
     retries_before = gateway.metric("kvik_gateway_retries_total", model="tiny")
@@ -350,9 +478,9 @@ def test_kill9_during_load_every_request_succeeds_and_the_breaker_cycles(
     print(f"\nfailover: 100/100 succeeded; {alive.requests_served() - alive_before} served by the survivor, "
           f"{victim_served} by the victim before SIGKILL; {retries:.0f} retries")
     assert retries >= 1
-    assert gateway.metric("kvik_gateway_breaker_transitions_total", model="tiny", replica=victim.url,
+    assert gateway.metric("kvik_gateway_breaker_transitions_total", model="tiny", replica=victim_url,
                           state="open") >= 1
-    assert gateway.replicas()[victim.url]["breaker"] in ("open", "half_open")
+    assert gateway.replicas()[victim_url]["breaker"] in ("open", "half_open")
 
     restarted_at = time.monotonic()
     victim.start(timeout=READY_TIMEOUT_S)  # the same port, a fresh process
@@ -360,13 +488,13 @@ def test_kill9_during_load_every_request_succeeds_and_the_breaker_cycles(
     def closed_again() -> bool:
         with gateway.client(key) as client:
             assert client.post("/v1/chat/completions", json=chat("tiny", "are you back?")).status_code == 200
-        state = gateway.replicas()[victim.url]
+        state = gateway.replicas()[victim_url]
         return state["healthy"] and state["breaker"] == "closed"
 
     wait_for(closed_again, timeout=60, interval=0.2)
     print(f"failover: breaker closed {time.monotonic() - restarted_at:.1f} s after the restart began")
-    assert gateway.metric("kvik_gateway_breaker_state", model="tiny", replica=victim.url) == 0
-    assert gateway.metric("kvik_gateway_breaker_transitions_total", model="tiny", replica=victim.url,
+    assert gateway.metric("kvik_gateway_breaker_state", model="tiny", replica=victim_url) == 0
+    assert gateway.metric("kvik_gateway_breaker_transitions_total", model="tiny", replica=victim_url,
                           state="closed") >= 1
     assert victim.requests_served() >= 1  # the restarted replica takes traffic again
     with gateway.admin() as admin:
@@ -374,8 +502,9 @@ def test_kill9_during_load_every_request_succeeds_and_the_breaker_cycles(
 
 
 
+@BOTH_TRANSPORTS
 def test_kill9_of_a_replicas_engine_process_fails_over(gateway: Gateway, key: str,
-                                                        replicas: list[KvikServe]) -> None:
+                                                        replicas: list[KvikServe], transport: str) -> None:
     """Issue 10, must show 4 behind the gateway: SIGKILL the engine core (the replica's child with
     libtorch mapped), not the API server. The replica's in-flight requests end with a 503 and its
     process exits non-zero; the gateway retries them on the survivor, so every client gets a 200."""
@@ -396,3 +525,5 @@ def test_kill9_of_a_replicas_engine_process_fails_over(gateway: Gateway, key: st
         [(r.status_code, r.text) for r in responses if r.status_code != 200]
     assert victim.process.wait(timeout=30) == 1  # exits non-zero, so a supervisor restarts it
     print(f"\nengine kill: 60/60 answered in {elapsed:.1f} s; the replica exited with status 1")
+    victim.start(timeout=READY_TIMEOUT_S)  # the same ports, for the tests of the other transport
+    wait_for(lambda: gateway.replicas()[victim.replica_url(transport)]["healthy"], timeout=30)

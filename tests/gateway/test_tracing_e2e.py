@@ -5,7 +5,8 @@ Both processes export OpenTelemetry spans over OTLP/HTTP to a receiver this test
 official `openai` SDK with no trace context, so the gateway starts the trace; the test checks that
 every span of the request arrives, all under one trace id, each under the right parent (across the
 gateway -> replica HTTP hop, whose `traceparent` the gateway sets), with the GenAI attributes, and
-that the replica's log lines carry the trace id.
+that the replica's log lines carry the trace id. The same holds across a gRPC hop (a `grpc://`
+replica URL: the gateway sends `traceparent` as call metadata, the replica's call span continues it).
 """
 
 from __future__ import annotations
@@ -52,14 +53,17 @@ def test_streamed_request_is_one_trace_across_gateway_replica_and_engine(
     # Export every 100 ms instead of every 5 s, so the spans arrive while the processes run.
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
     with OtlpReceiver() as receiver:
-        port = free_port()
+        port, grpc_port = free_port(), free_port()
         replica = ServerProcess(
-            [*kvik_serve_command(tiny_llama, port, log_prompts=True), "--otlp-traces-endpoint", receiver.url],
+            [*kvik_serve_command(tiny_llama, port, log_prompts=True), "--otlp-traces-endpoint", receiver.url,
+             "--grpc-port", str(grpc_port)],
             port, workdir / f"traced-replica-{port}.log", env={"OMP_NUM_THREADS": "1", "KVIK_CPU_KERNELS": "0"})
         try:
             replica.start(timeout=120)
             gateway = gateways.start({
-                "models": [model_config("tiny", [replica])],
+                "models": [model_config("tiny", [replica]),
+                           {"name": "tiny-grpc", "upstream_model": UPSTREAM_MODEL,
+                            "replicas": [{"url": f"grpc://127.0.0.1:{grpc_port}"}]}],
                 "tracing": {"otlp_traces_endpoint": receiver.url, "sample_ratio": 1.0},
             }, name="traced")
             key = gateway.create_key(name="tracing")
@@ -141,6 +145,29 @@ def test_streamed_request_is_one_trace_across_gateway_replica_and_engine(
             ws_root = next(s for s in spans if s.trace_id == client_trace and s.service == "kvik-gateway"
                            and s.name == "POST /v1/chat/completions")
             assert ws_root.parent_span_id == client_span
+
+            # The gRPC hop: the replica's call span continues the gateway's upstream attempt.
+            grpc_chunks = list(client.chat.completions.create(
+                model="tiny-grpc", messages=[{"role": "user", "content": "Trace me over gRPC."}],
+                max_tokens=MAX_TOKENS, stream=True))
+            assert grpc_chunks[-1].choices[0].finish_reason in ("length", "stop")
+            call_name = "kvik.inference.v1.Inference/ChatStream"
+
+            def grpc_traced(got: list[ReceivedSpan]) -> bool:
+                calls = [s for s in got if s.name == call_name]
+                return any({x.name for x in got if x.trace_id == call.trace_id} >= {"upstream", "generate", "decode"}
+                           for call in calls)
+
+            spans = receiver.wait_for(grpc_traced)
+            call = next(s for s in spans if s.name == call_name)
+            mine = [s for s in spans if s.trace_id == call.trace_id]
+            gw, sv = _by_name(mine, "kvik-gateway"), _by_name(mine, "kvik-server")
+            assert call.kind == SERVER_KIND and call.parent_span_id == gw["upstream"].span_id
+            assert gw["upstream"].attributes["kvik.replica"] == f"grpc://127.0.0.1:{grpc_port}"
+            assert call.attributes["rpc.system"] == "grpc" and call.attributes["gen_ai.operation.name"] == "chat"
+            for name in ("tokenize", "generate"):
+                assert sv[name].parent_span_id == call.span_id, name
+            assert sv["decode"].parent_span_id == sv["generate"].span_id
         finally:
             replica.stop()
 

@@ -21,6 +21,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     server.add_argument("--port", type=int, default=8000)
+    server.add_argument("--grpc-port", type=int, default=None, metavar="PORT",
+                        help="also serve the gRPC API (kvik.inference.v1.Inference: Generate and Chat, "
+                             "unary and streaming; grpc.health.v1 health; server reflection) on PORT, "
+                             "on the --host interface; off by default. Proto: "
+                             "src/kvik/protocol/grpc/inference.proto")
     server.add_argument("--served-model-name", action="append", default=None, metavar="NAME",
                         help="name(s) clients use in `model` (default: the model path or id)")
     server.add_argument("--api-key", default=None,
@@ -166,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
     if several:
         state.models = _model_pool(args, engine_args, entries, preprocess)
     return run_server(engine_args, state, args.host, args.port, args.log_level,
-                      engine_in_thread=args.engine_in_thread, preprocess=preprocess)
+                      engine_in_thread=args.engine_in_thread, preprocess=preprocess, grpc_port=args.grpc_port)
 
 
 def _model_entries(values: list[str]) -> list[tuple[str | None, str]]:

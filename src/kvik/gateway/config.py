@@ -38,8 +38,12 @@ class ReplicaConfig(_Section):
     @classmethod
     def _check_url(cls, value: str) -> str:
         parsed = urlparse(value)
+        if parsed.scheme == "grpc":  # kvik serve --grpc-port (plaintext; kvik.gateway.grpc_upstream)
+            if not parsed.hostname or parsed.port is None or parsed.path not in ("", "/") or parsed.query:
+                raise ValueError(f"{value!r}: a gRPC replica is grpc://HOST:PORT, such as grpc://127.0.0.1:50051")
+            return value.rstrip("/")
         if parsed.scheme not in ("http", "https") or not parsed.netloc:
-            raise ValueError(f"{value!r} is not an http(s) URL such as http://127.0.0.1:8001")
+            raise ValueError(f"{value!r} is not an http(s) URL such as http://127.0.0.1:8001, or grpc://HOST:PORT")
         # Stored without a trailing slash or /v1 so paths join the same way for every replica.
         value = value.rstrip("/")
         return value[: -len("/v1")] if value.endswith("/v1") else value
@@ -245,6 +249,14 @@ class BatchesConfig(_Section):
     # The kvik server that stores files and runs batches (/v1/files, /v1/batches) for every key;
     # each key sees only its own.
     upstream: ReplicaConfig
+
+    @field_validator("upstream")
+    @classmethod
+    def _http_only(cls, value: ReplicaConfig) -> ReplicaConfig:
+        if value.url.startswith("grpc://"):
+            raise ValueError("the Files and Batches API is HTTP only (kvik's gRPC API carries chat and "
+                             "completions); give the kvik server's http:// URL")
+        return value
 
 
 class TracingSection(_Section):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import httpx
 
@@ -23,8 +24,9 @@ logger = logging.getLogger("kvik.gateway.health")
 
 class HealthProber:
     def __init__(self, replicas: list[Replica], config: HealthConfig, client: httpx.AsyncClient,
-                 on_change: Callable[[Replica], None] | None = None) -> None:
+                 on_change: Callable[[Replica], None] | None = None, *, grpc: Any = None) -> None:
         self._replicas = replicas
+        self._grpc = grpc  # kvik.gateway.grpc_upstream.GrpcUpstream: probes grpc:// replicas (grpc.health.v1)
         self._config = config
         self._client = client
         self._on_change = on_change
@@ -54,6 +56,11 @@ class HealthProber:
             await asyncio.sleep(self._config.interval_s)
 
     async def _probe(self, replicas: list[Replica]) -> None:
+        if self._grpc is not None and replicas[0].url.startswith("grpc://"):
+            ok = await self._grpc.probe(replicas[0].url, self._config.timeout_s)
+            for replica in replicas:
+                self._record(replica, ok)
+            return
         api_key = replicas[0].api_key
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         try:

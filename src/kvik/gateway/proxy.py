@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -40,6 +40,10 @@ from kvik.gateway.metrics import GatewayMetrics
 from kvik.gateway.replica import Outcome, Replica
 from kvik.gateway.retry_budget import RetryBudget
 from kvik.gateway.router import ModelPool
+
+if TYPE_CHECKING:
+    from kvik.gateway.grpc_translate import GrpcPlan
+    from kvik.gateway.grpc_upstream import GrpcUpstream
 
 
 class AttemptTimeout(Exception):
@@ -60,7 +64,7 @@ class UpstreamAnswer:
     retry_after: str | None = None  # the replica's Retry-After header (429/503), relayed to the client
     first_chunk: bytes = b""  # streaming 200: already read from the upstream
     rest: AsyncIterator[bytes] | None = None  # streaming 200: the chunks after the first
-    _response: httpx.Response | None = None
+    _response: Any = None  # httpx.Response, or a gRPC replica's stream (kvik.gateway.grpc_upstream)
     _finished: bool = field(default=False)
     span: Any = None  # the attempt's trace span (kvik.core.tracing), ended by finish()
 
@@ -88,8 +92,9 @@ class UpstreamAnswer:
 
 class UpstreamProxy:
     def __init__(self, client: httpx.AsyncClient, max_attempts: int, budget: RetryBudget,
-                 metrics: GatewayMetrics, *, first_byte_s: float) -> None:
+                 metrics: GatewayMetrics, *, first_byte_s: float, grpc: GrpcUpstream | None = None) -> None:
         self._client = client
+        self._grpc = grpc  # grpc:// replicas (None when grpcio is not installed)
         self._max_attempts = max_attempts
         self._budget = budget
         self._metrics = metrics
@@ -103,12 +108,23 @@ class UpstreamProxy:
         self._budget.record_request()
         tracing.set_attributes({"gen_ai.request.model": pool.name})
         tried: set[Replica] = set()
+        # grpc:// replicas get the request translated once; one the gRPC API cannot carry goes to the
+        # model's http:// replicas only, and is refused (400) when it has none.
+        grpc_plan, not_carried, skipped = None, None, frozenset()
+        if self._grpc is not None and self._grpc.serves(pool.replicas):
+            from kvik.gateway.grpc_translate import NotCarriedError
+            from kvik.gateway.grpc_upstream import is_grpc
+
+            try:
+                grpc_plan = await self._grpc.plan(path, payload, stream)
+            except NotCarriedError as exc:
+                not_carried, skipped = exc, frozenset(r for r in pool.replicas if is_grpc(r.url))
         suspects: list[Replica] = []  # replicas whose 5xx awaits a second opinion
         last_answer: UpstreamAnswer | None = None
         last_reason = ""
         try:
             for attempt in range(1, self._max_attempts + 1):
-                replica = pool.pick(context, tried)
+                replica = pool.pick(context, tried | skipped if skipped else tried)
                 if replica is None:
                     break
                 if attempt > 1:
@@ -118,7 +134,7 @@ class UpstreamProxy:
                 tried.add(replica)
                 replica.begin_attempt()
                 try:
-                    answer = await self._attempt(replica, path, payload, stream, attempt, request_id)
+                    answer = await self._attempt(replica, path, payload, stream, attempt, request_id, grpc_plan)
                 except (httpx.TransportError, AttemptTimeout) as exc:
                     replica.finish_attempt(Outcome.FAILURE)
                     last_reason = _reason(exc)
@@ -154,13 +170,15 @@ class UpstreamProxy:
                 suspect.judge(Outcome.FAILURE)
         if last_answer is not None:
             return last_answer
+        if not_carried is not None and len(skipped) == len(pool.replicas):
+            raise not_carried
         if not tried:
             raise ServiceUnavailableError(f"No replica of {pool.name!r} is available right now.",
                                           retry_after=pool.seconds_until_available())
         raise UpstreamError(f"No replica of {pool.name!r} could answer ({len(tried)} tried, last: {last_reason}).")
 
     async def _attempt(self, replica: Replica, path: str, payload: bytes, stream: bool, attempt: int,
-                       request_id: str) -> UpstreamAnswer:
+                       request_id: str, grpc_plan: GrpcPlan | None = None) -> UpstreamAnswer:
         headers = {"content-type": "application/json", "accept-encoding": "identity",
                    "x-request-id": request_id}
         if replica.api_key:
@@ -169,7 +187,6 @@ class UpstreamProxy:
             "http.request.method": "POST", "url.full": replica.url + path, "kvik.replica": replica.url,
             "kvik.attempt": attempt})
         tracing.inject(headers, span)
-        request = self._client.build_request("POST", replica.url + path, content=payload, headers=headers)
         # A stream must show its first event within first_byte_s; a non-streaming answer is bounded
         # by the client's read timeout (read_s). Both end early when the replica is marked down.
         deadline = asyncio.get_running_loop().time() + self._first_byte_s if stream else None
@@ -178,8 +195,13 @@ class UpstreamProxy:
             async with asyncio.timeout_at(deadline) as timeout:
                 replica.waiting.add(timeout)
                 try:
-                    response = await self._client.send(request, stream=stream)
-                    answer = await self._first_part(replica, response, stream, attempt)
+                    if grpc_plan is not None and self._grpc is not None and replica.url.startswith("grpc://"):
+                        answer = await self._grpc.first_part(replica, grpc_plan, stream, attempt, headers)
+                    else:
+                        request = self._client.build_request("POST", replica.url + path, content=payload,
+                                                             headers=headers)
+                        response = await self._client.send(request, stream=stream)
+                        answer = await self._first_part(replica, response, stream, attempt)
                 finally:
                     replica.waiting.discard(timeout)
         except TimeoutError:

@@ -53,6 +53,7 @@ class GatewayState:
     cpu: CpuWorkers  # parsing, redaction and encoding of large bodies, off the event loop
     salter: CacheSalter | None  # per-tenant `cache_salt` sent upstream; None when turned off
     scheduling: SchedulingStore  # each key's priority tier and fair-share weight
+    grpc: Any | None = None  # kvik.gateway.grpc_upstream.GrpcUpstream: channels to grpc:// replicas
 
     @classmethod
     async def start(cls, config: GatewayConfig) -> GatewayState:
@@ -71,6 +72,7 @@ class GatewayState:
         auth = Authenticator(config.auth, keys)
         # Prefix-cache salts and the tenants' pseudonyms for fair share, under one secret.
         salter = CacheSalter(config.tenancy.cache_salt_secret)
+        grpc = _grpc_upstream(config)
         state = cls(
             config=config, metrics=metrics, router=router, client=client, db=db, keys=keys, auth=auth,
             limiter=RateLimiter(counters, config.limits, metrics),
@@ -78,13 +80,14 @@ class GatewayState:
             redactor=PiiRedactor(guardrails.pii) if guardrails.pii.enabled else None,
             moderation=ModerationHook(guardrails.moderation) if guardrails.moderation.hook else None,
             usage=UsageRecorder(db, keys, on_persisted=auth.budgets.persisted),
-            prober=HealthProber(router.all_replicas(), config.health, client),
+            prober=HealthProber(router.all_replicas(), config.health, client, grpc=grpc),
             proxy=UpstreamProxy(client, config.retries.max_attempts, RetryBudget(config.retries), metrics,
-                                first_byte_s=config.timeouts.first_byte_s),
+                                first_byte_s=config.timeouts.first_byte_s, grpc=grpc),
             redis=redis,
             cpu=CpuWorkers(),
             salter=salter if config.tenancy.cache_salt else None,
             scheduling=SchedulingStore(db, config.scheduling, salter, config.auth.key_cache_ttl_s),
+            grpc=grpc,
         )
         state.usage.start()
         state.prober.start()
@@ -94,10 +97,23 @@ class GatewayState:
         await self.prober.stop()
         await self.usage.stop()
         await self.client.aclose()
+        if self.grpc is not None:
+            await self.grpc.close()
         self.cpu.close()
         if self.redis is not None:
             await self.redis.aclose()
         await asyncio.to_thread(self.db.close)
+
+
+def _grpc_upstream(config: GatewayConfig) -> Any | None:
+    """Channels to grpc:// replicas; None when grpcio is missing, an error if a replica needs it."""
+    try:
+        from kvik.gateway.grpc_upstream import GrpcUpstream
+    except ImportError:
+        if any(r.url.startswith("grpc://") for m in config.models for r in m.replicas):
+            raise ConfigError("models: grpc:// replicas need grpcio; pip install 'kvik[grpc]'") from None
+        return None
+    return GrpcUpstream(config.timeouts.read_s)
 
 
 def _make_cache(config: GatewayConfig, redis: Any | None) -> ResponseCache | None:

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 from types import FrameType
+from typing import Any
 
 import uvicorn
 
@@ -35,8 +36,10 @@ class EngineServer(uvicorn.Server):
     """uvicorn, with the engine's lifecycle attached and SIGTERM/SIGINT turned into a drain."""
 
     def __init__(self, config: uvicorn.Config, state: ServerState, engine_args: EngineArgs, *,
-                 engine_in_thread: bool = False, preprocess: PreprocessConfig | None = None) -> None:
+                 engine_in_thread: bool = False, preprocess: PreprocessConfig | None = None,
+                 grpc_port: int | None = None) -> None:
         super().__init__(config)
+        self.grpc_port = grpc_port  # also serve kvik.server.grpc on this port (same host) when set
         self.state = state
         self.engine_args = engine_args
         self.engine_in_thread = engine_in_thread
@@ -46,6 +49,9 @@ class EngineServer(uvicorn.Server):
 
     async def serve(self, sockets=None) -> None:  # type: ignore[override]
         self.loop = asyncio.get_running_loop()
+        grpc_frontend = await self._start_grpc() if self.grpc_port is not None else None
+        if self.should_exit:
+            return
         starting = self.loop.create_task(self._start_engine())
         batches = self.config.app.state.batches
         await batches.start()  # batches left unfinished by the last run resume
@@ -53,11 +59,24 @@ class EngineServer(uvicorn.Server):
             await super().serve(sockets)
         finally:
             starting.cancel()
+            if grpc_frontend is not None:  # after the drain: in-flight gRPC calls were counted in it
+                await grpc_frontend.stop(grace_s=1.0)
             await batches.stop()
             if self.state.engine is not None:
                 await self.state.engine.shutdown()
             if self.state.models is not None:
                 await self.state.models.shutdown()
+
+    async def _start_grpc(self) -> Any:
+        from kvik.server.grpc.frontend import GrpcFrontend  # grpcio only when --grpc-port is given
+
+        frontend = GrpcFrontend(self.state, self.config.host, self.grpc_port)
+        try:
+            await frontend.start()
+        except ConfigError as exc:
+            logger.error("%s", exc.message)
+            self.exit_code, self.should_exit = 1, True
+        return frontend
 
     async def _start_engine(self) -> None:
         state = self.state
@@ -134,7 +153,7 @@ class EngineServer(uvicorn.Server):
 
 def run_server(engine_args: EngineArgs, state: ServerState, host: str, port: int,
                log_level: str = "info", *, engine_in_thread: bool = False,
-               preprocess: PreprocessConfig | None = None) -> int:
+               preprocess: PreprocessConfig | None = None, grpc_port: int | None = None) -> int:
     app = create_app(state)
     # The guarded protocol adds the header timeout uvicorn lacks (slowloris) and a lingering close,
     # so an early 413/408 reaches a client that is still uploading.
@@ -142,7 +161,7 @@ def run_server(engine_args: EngineArgs, state: ServerState, host: str, port: int
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                             timeout_graceful_shutdown=2, lifespan="off", http=http)
     server = EngineServer(config, state, engine_args, engine_in_thread=engine_in_thread,
-                          preprocess=preprocess)
+                          preprocess=preprocess, grpc_port=grpc_port)
     server.run()
     return server.exit_code
 
