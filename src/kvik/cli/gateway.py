@@ -16,6 +16,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -100,7 +101,7 @@ def run_server(args: argparse.Namespace) -> int:
     metrics = (f"; /metrics on http://{config.metrics.host or host}:{config.metrics.port}"
                if config.metrics.port is not None else "")
     print(f"kvik gateway: serving {names} on http://{host}:{port}{metrics}", file=sys.stderr, flush=True)
-    serve(config, host=host, port=port, log_level=args.log_level)
+    serve(config, host=host, port=port, log_level=args.log_level, config_path=Path(args.config).resolve())
     return 0
 
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -25,6 +26,7 @@ from kvik.gateway.ratelimit.backend import CounterBackend
 from kvik.gateway.ratelimit.limiter import RateLimiter
 from kvik.gateway.ratelimit.memory import MemoryCounters
 from kvik.gateway.ratelimit.redis import RedisCounters
+from kvik.gateway.reload import ConfigReloader
 from kvik.gateway.retry_budget import RetryBudget
 from kvik.gateway.router import ModelRouter
 from kvik.gateway.storage.database import Database, open_database
@@ -53,11 +55,14 @@ class GatewayState:
     cpu: CpuWorkers  # parsing, redaction and encoding of large bodies, off the event loop
     salter: CacheSalter | None  # per-tenant `cache_salt` sent upstream; None when turned off
     scheduling: SchedulingStore  # each key's priority tier and fair-share weight
+    reloader: ConfigReloader = field(init=False)  # config reloads and service discovery
 
     @classmethod
-    async def start(cls, config: GatewayConfig) -> GatewayState:
+    async def start(cls, config: GatewayConfig, config_path: Path | None = None) -> GatewayState:
+        """Build everything from `config`; `config_path` is the file reloads read again."""
         metrics = GatewayMetrics()
-        router = ModelRouter(config, metrics.on_breaker_transition, metrics.on_panic)
+        router = ModelRouter(config, metrics.on_breaker_transition, metrics.on_panic,
+                             on_dropped=metrics.forget_replica)
         redis = await _connect_redis(config.redis_url) if config.redis_url else None
         db = await asyncio.to_thread(open_database, config.database_url)
         keys = KeyStore(db)
@@ -78,7 +83,7 @@ class GatewayState:
             redactor=PiiRedactor(guardrails.pii) if guardrails.pii.enabled else None,
             moderation=ModerationHook(guardrails.moderation) if guardrails.moderation.hook else None,
             usage=UsageRecorder(db, keys, on_persisted=auth.budgets.persisted),
-            prober=HealthProber(router.all_replicas(), config.health, client),
+            prober=HealthProber(router.all_replicas, config.health, client),
             proxy=UpstreamProxy(client, config.retries.max_attempts, RetryBudget(config.retries), metrics,
                                 first_byte_s=config.timeouts.first_byte_s),
             redis=redis,
@@ -86,11 +91,14 @@ class GatewayState:
             salter=salter if config.tenancy.cache_salt else None,
             scheduling=SchedulingStore(db, config.scheduling, salter, config.auth.key_cache_ttl_s),
         )
+        state.reloader = ConfigReloader(state, config_path)
         state.usage.start()
         state.prober.start()
+        await state.reloader.start()
         return state
 
     async def close(self) -> None:
+        await self.reloader.close()
         await self.prober.stop()
         await self.usage.stop()
         await self.client.aclose()
