@@ -170,9 +170,6 @@ class ConfigReloader:
         for replica in change.added:
             logger.warning("replica %s of %s added (%s); it takes traffic after a good health probe",
                            replica.url, replica.model, source)
-        for replica in change.retired:
-            logger.warning("replica %s of %s removed (%s); draining %d request(s) in flight",
-                           replica.url, replica.model, source, replica.outstanding)
         self._state.prober.probe_now(change.added)
 
 

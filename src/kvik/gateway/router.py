@@ -224,6 +224,8 @@ class ModelRouter:
 
     def _retire(self, change: MembershipChange, replicas: list[Replica]) -> None:
         for replica in replicas:
+            logger.warning("replica %s of %s removed: no new requests; draining %d in flight",
+                           replica.url, replica.model, replica.outstanding)
             change.retired.append(replica)
             self.retiring.append(replica)
             replica.on_drained = self._drop
