@@ -91,10 +91,13 @@ def test_rolling_update_under_streaming_load_loses_nothing(tiny_llama: Path, wor
 
 def test_sigterm_of_a_replica_under_load_never_reaches_a_client_as_503(
         tiny_llama: Path, workdir: Path, gateways: GatewayFactory, processes: list[KvikServe]) -> None:
-    # The gateway probes every 0.5 s; the replicas keep serving for 2 s after SIGTERM.
-    processes += start_replicas(["term-a", "term-b"], tiny_llama, workdir, "--drain-announce-seconds", "2")
+    # The gateway probes every second; the replicas keep serving for 3 s after SIGTERM. Requests the
+    # gateway sends before it notices (by the probe, or the header on a response) are still served.
+    processes += start_replicas(["term-a", "term-b"], tiny_llama, workdir, "--drain-announce-seconds", "3")
     leaving, staying = processes
-    gateway = gateways.start({"models": [model_config("tiny", [leaving, staying])]}, name="sigterm")
+    gateway = gateways.start({"models": [model_config("tiny", [leaving, staying])],
+                              "health": {"interval_s": 1.0, "timeout_s": 1.0, "unhealthy_after": 1}},
+                             name="sigterm")
     key = gateway.create_key(name="sigterm")
     load = StreamLoad(gateway.url, key, total=120, concurrency=8, max_tokens=24).start()
 
@@ -112,5 +115,6 @@ def test_sigterm_of_a_replica_under_load_never_reaches_a_client_as_503(
     assert gateway.metric("kvik_gateway_retries") == 0
     assert gateway.metric("kvik_gateway_breaker_transitions", replica=leaving.url) == 0
     log = leaving.log()
-    assert "not ready for 2.0s (still serving), then draining" in log
+    assert "not ready for 3.0s (still serving), then draining" in log
+    assert '"status": 503' not in log  # the replica refused nothing (its per-request log lines)
     print(f"SIGTERM: the gateway took the replica out of rotation {noticed_s:.2f} s after the signal")
