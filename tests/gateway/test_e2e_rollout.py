@@ -1,5 +1,5 @@
-"""Zero-loss updates with real processes: `kvik serve` replicas of the tiny Llama behind one
-`kvik gateway`, and streamed requests running the whole time.
+"""Zero-loss changes of the replica set with real processes: `kvik serve` replicas of the tiny
+Llama behind one `kvik gateway`, and streamed requests running the whole time.
 
 - A rolling update through config reload (issue 16, must-show 2): two replicas replaced one by one
   by two new processes while 200 streams run, 16 at a time; every stream ends with a
@@ -8,6 +8,14 @@
 - SIGTERM of a replica behind the gateway under load: the replica announces its drain first (its
   /health and its responses say so while it still serves), the gateway stops routing to it, and
   no request sees a 503, not even the gateway (no 503 from the replica, no breaker trip).
+- DNS discovery (issue 16, must-show 5): a real DNS server on 127.0.0.1 (dns_server.py) whose SRV
+  records the test changes, and a gateway that re-resolves the name every second through
+  dnspython. Replicas appear and disappear behind the name while streams run; the gateway picks
+  each change up within the re-resolve interval (plus one health probe for a new replica), and no
+  request fails. SRV rather than A records because both replicas listen on 127.0.0.1 and differ
+  only by port; the A/AAAA path is checked against the same server in test_live_replicas.py.
+
+The discovery test and the SIGTERM test share one pair of replicas; the SIGTERM test runs last.
 """
 
 from __future__ import annotations
@@ -19,13 +27,48 @@ from pathlib import Path
 
 import pytest
 
-from tests.gateway.harness import Gateway, GatewayFactory, KvikServe, free_port, model_config, wait_for
+from tests.gateway.dns_server import TestDnsServer
+from tests.gateway.harness import UPSTREAM_MODEL, Gateway, GatewayFactory, KvikServe, free_port, model_config, wait_for
 from tests.gateway.stream_load import StreamLoad
 
 pytest.importorskip("torch")  # the replicas are kvik serve
 
 pytestmark = pytest.mark.timeout(420)
 READY_TIMEOUT_S = 120.0
+SRV_NAME = "_http._tcp.replicas.kvik.test"
+INTERVAL_S = 1.0  # re-resolve interval
+PROBE_S = 0.5  # the test gateways' health probe interval
+SLACK_S = 2.0  # for a busy machine: two cores shared by two replicas, the gateway and the test
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_llama: Path, workdir: Path) -> Iterator[list[KvikServe]]:
+    """Two replicas that keep serving for 3 s after SIGTERM (the gateways here probe every second
+    at most); the last test of the module stops one with SIGTERM."""
+    replicas = [KvikServe(name, tiny_llama, free_port(), workdir, extra=("--drain-announce-seconds", "3"))
+                for name in ("pair-a", "pair-b")]
+    try:
+        for replica in replicas:
+            replica.launch()
+        for replica in replicas:
+            replica.wait_ready(READY_TIMEOUT_S)
+        yield replicas
+    finally:
+        for replica in replicas:
+            replica.stop()
+
+
+@pytest.fixture(scope="module")
+def dns_server() -> Iterator[TestDnsServer]:
+    server = TestDnsServer().start()
+    yield server
+    server.stop()
+
+
+def seconds_until(condition, timeout: float) -> float:
+    started = time.monotonic()
+    wait_for(condition, timeout=timeout, interval=0.02)
+    return time.monotonic() - started
 
 
 def start_replicas(names: list[str], model_dir: Path, workdir: Path, *extra: str) -> list[KvikServe]:
@@ -89,12 +132,48 @@ def test_rolling_update_under_streaming_load_loses_nothing(tiny_llama: Path, wor
           f"{in_flight_first}, {in_flight_second}")
 
 
-def test_sigterm_of_a_replica_under_load_never_reaches_a_client_as_503(
-        tiny_llama: Path, workdir: Path, gateways: GatewayFactory, processes: list[KvikServe]) -> None:
+def test_replicas_appear_and_disappear_behind_a_dns_name_without_a_failed_request(
+        dns_server: TestDnsServer, pair: list[KvikServe], gateways: GatewayFactory) -> None:
+    first, second = pair
+    dns_server.set_srv(SRV_NAME, [first.port])
+    gateway = gateways.start({"models": [{
+        "name": "tiny", "upstream_model": UPSTREAM_MODEL,
+        "discovery": {"dns": {"name": SRV_NAME, "srv": True, "interval_s": INTERVAL_S,
+                              "nameservers": [dns_server.nameserver]}}}]}, name="dns")
+    wait_for(lambda: gateway.replicas().get(first.url, {}).get("state") == "up", timeout=10)
+    key = gateway.create_key(name="dns")
+    load = StreamLoad(gateway.url, key, total=10_000, concurrency=4, max_tokens=8).start()
+    try:
+        load.wait_started(8)
+        served_before = second.requests_served()
+        dns_server.set_srv(SRV_NAME, [first.port, second.port])  # a replica appears
+        appeared_s = seconds_until(lambda: gateway.replicas().get(second.url, {}).get("state") == "up",
+                                   timeout=INTERVAL_S + PROBE_S + SLACK_S)
+        wait_for(lambda: second.requests_served() > served_before, timeout=10)
+
+        dns_server.set_srv(SRV_NAME, [second.port])  # one disappears: drained, then dropped
+        gone_s = seconds_until(lambda: first.url not in gateway.replicas(), timeout=INTERVAL_S + SLACK_S)
+        served_after_drop = first.requests_served()
+        load.wait_started(load.started + 20)  # more traffic: none of it may reach the dropped replica
+        assert first.requests_served() == served_after_drop
+
+        dns_server.set_srv(SRV_NAME, [first.port, second.port])  # and comes back
+        wait_for(lambda: gateway.replicas().get(first.url, {}).get("state") == "up",
+                 timeout=INTERVAL_S + PROBE_S + SLACK_S)
+        load.wait_started(load.started + 20)
+    finally:
+        load.stop()
+        outcomes = load.join()
+    assert outcomes and load.failures() == []
+    print(f"DNS discovery: a new replica up {appeared_s:.2f} s and a removed one dropped {gone_s:.2f} s after "
+          f"the records changed (re-resolve interval {INTERVAL_S} s); {len(outcomes)} streams, none failed")
+
+
+def test_sigterm_of_a_replica_under_load_never_reaches_a_client_as_503(pair: list[KvikServe],
+                                                                       gateways: GatewayFactory) -> None:
     # The gateway probes every second; the replicas keep serving for 3 s after SIGTERM. Requests the
     # gateway sends before it notices (by the probe, or the header on a response) are still served.
-    processes += start_replicas(["term-a", "term-b"], tiny_llama, workdir, "--drain-announce-seconds", "3")
-    leaving, staying = processes
+    leaving, staying = pair
     gateway = gateways.start({"models": [model_config("tiny", [leaving, staying])],
                               "health": {"interval_s": 1.0, "timeout_s": 1.0, "unhealthy_after": 1}},
                              name="sigterm")

@@ -1,7 +1,7 @@
 """The live replica set without processes: reload diffs on the router, drain then drop, discovery
 sources (with a stand-in resolver, and dnspython against a real DNS server on 127.0.0.1), and the
-validation of the new config sections. The end-to-end versions are test_e2e_rollout.py and
-test_e2e_discovery.py."""
+validation of the new config sections. The end-to-end versions are in test_e2e_rollout.py and
+test_e2e_reload.py."""
 
 from __future__ import annotations
 

@@ -74,6 +74,7 @@ class ConfigReloader:
         self._lock = asyncio.Lock()
         self._digest: bytes | None = None  # of the file content last loaded or refused
         self._watch_task: asyncio.Task[None] | None = None
+        self._background: asyncio.Task[None] | None = None  # a signal's reload, referenced until done
 
     async def start(self) -> None:
         await self.discovery.configure(self._state.config.models)
@@ -106,8 +107,7 @@ class ConfigReloader:
 
     def reload_in_background(self, source: str) -> None:
         """For signal handlers: reload, logging (not raising) a bad file."""
-        task = asyncio.get_running_loop().create_task(self._reload_logged(source))
-        self._background = task  # a reference until it is done
+        self._background = asyncio.get_running_loop().create_task(self._reload_logged(source))
 
     async def _reload_logged(self, source: str) -> None:
         try:
