@@ -83,7 +83,8 @@ def test_replicas_get_their_drain_time_before_sigkill(stack: dict) -> None:
         service = stack["services"][name]
         command = service["command"]
         drain = float(command[command.index("--drain-timeout") + 1])
-        assert _seconds(service["stop_grace_period"]) > drain
+        announce = float(command[command.index("--drain-announce-seconds") + 1])
+        assert _seconds(service["stop_grace_period"]) > announce + drain
         assert service["environment"]["KVIK_API_KEY"] == SECRETS["KVIK_REPLICA_API_KEY"]
         assert "/health" in " ".join(service["healthcheck"]["test"])
 

@@ -33,7 +33,7 @@ EVERYTHING = {
         "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
         "podAnnotations": {"team": "llm"},
     },
-    "gateway": {"redis": True, "replicaCount": 3, "config": {"limits": {"default_rpm": 600}, "health": {"interval_s": 2}}},
+    "gateway": {"redis": True, "replicaCount": 3, "replicaDiscovery": {"mode": "static"}, "config": {"limits": {"default_rpm": 600}, "health": {"interval_s": 2}}},
     "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}}},
 }
 RELEASE, NAMESPACE = "prod", "llm"
@@ -91,14 +91,23 @@ def test_a_broken_manifest_fails_validation() -> None:
 
 
 @pytest.mark.parametrize("drain", [30, 120])
-def test_grace_period_covers_the_pre_stop_sleep_and_the_drain(drain: int) -> None:
-    objects = render({**DEFAULT, "replica": {"drainTimeoutSeconds": drain, "preStopSleepSeconds": 7}})
+def test_grace_period_covers_the_pre_stop_sleep_the_announce_and_the_drain(drain: int) -> None:
+    objects = render({**DEFAULT, "replica": {"drainTimeoutSeconds": drain, "preStopSleepSeconds": 7,
+                                             "drainAnnounceSeconds": 4}})
     pod = one(objects, "StatefulSet")["spec"]["template"]["spec"]
     container = pod["containers"][0]
     args = container["args"]
     assert args[args.index("--drain-timeout") + 1] == str(drain)
+    assert args[args.index("--drain-announce-seconds") + 1] == "4"
     assert container["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "7"]
-    assert pod["terminationGracePeriodSeconds"] == 7 + drain + 10
+    assert pod["terminationGracePeriodSeconds"] == 7 + 4 + drain + 10
+
+
+def test_the_default_announce_outlasts_the_gateways_probe_interval() -> None:
+    from kvik.gateway.config import HealthConfig
+
+    args = replica_container(render(DEFAULT))["args"]
+    assert float(args[args.index("--drain-announce-seconds") + 1]) > HealthConfig().interval_s
 
 
 def test_probes() -> None:
@@ -200,9 +209,14 @@ def test_the_gateway_accepts_its_generated_config(values: dict, monkeypatch: pyt
     name, service = statefulset["metadata"]["name"], headless["metadata"]["name"]
     (model,) = config.models
     assert model.name == replica_container(objects)["args"][replica_container(objects)["args"].index("--served-model-name") + 1]
-    assert [r.url for r in model.replicas] == [
-        f"http://{name}-{i}.{service}.{NAMESPACE}.svc.cluster.local:8000" for i in range(count)]
-    assert all(r.api_key == "secret" for r in model.replicas)
+    if values is EVERYTHING:  # static: the stable pod names
+        assert [r.url for r in model.replicas] == [
+            f"http://{name}-{i}.{service}.{NAMESPACE}.svc.cluster.local:8000" for i in range(count)]
+        assert all(r.api_key == "secret" for r in model.replicas)
+    else:  # the default: every address of the headless Service
+        dns = model.discovery.dns
+        assert (dns.name, dns.port, dns.api_key) == (f"{service}.{NAMESPACE}.svc.cluster.local", 8000, "secret")
+        assert model.replicas == []
     assert config.host == "0.0.0.0" and config.database_url == SECRETS["databaseUrl"]
     if values is EVERYTHING:
         assert config.redis_url == SECRETS["redisUrl"]

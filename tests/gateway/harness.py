@@ -68,9 +68,10 @@ def scrape_metric(url: str, name: str, *, headers: dict[str, str] | None = None,
     return total
 
 
-def kvik_serve_command(model_dir: str | Path, port: int, *, log_prompts: bool = False) -> list[str]:
+def kvik_serve_command(model_dir: str | Path, port: int, *, log_prompts: bool = False,
+                       extra: Sequence[str] = ()) -> list[str]:
     """`kvik serve` on 127.0.0.1, answering to UPSTREAM_MODEL, with a short context (tiny models)."""
-    return serve_command(port, *(["--log-prompts"] if log_prompts else []), model_dir=model_dir,
+    return serve_command(port, *(["--log-prompts"] if log_prompts else []), *extra, model_dir=model_dir,
                          name=UPSTREAM_MODEL)
 
 
@@ -128,6 +129,17 @@ class Gateway(ServerProcess):
         with self.admin() as client:
             return {r["url"]: r for r in client.get("/admin/replicas").json()["data"] if r["model"] == model}
 
+    def rewrite_config(self, **changes: Any) -> None:
+        """Replace top-level sections of the config file (the gateway sees it on reload)."""
+        config = yaml.safe_load(self.config_path.read_text())
+        config.update(changes)
+        self.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+
+    def reload(self, key: str = ADMIN_KEY) -> httpx.Response:
+        """POST /admin/config/reload."""
+        with self.client(key) as client:
+            return client.post("/admin/config/reload")
+
     def metric(self, name: str, **labels: str) -> float:
         """Sum of the samples of `name` whose labels include `labels` (0 when none); /metrics needs
         an admin key by default."""
@@ -142,14 +154,15 @@ class KvikServe(ServerProcess):
 
     REQUEST_LOG_MARK = "kvik.server.requests: "
 
-    def __init__(self, name: str, model_dir: Path, port: int, log_dir: Path, *, grpc_port: int | None = None) -> None:
+    def __init__(self, name: str, model_dir: Path, port: int, log_dir: Path, *, grpc_port: int | None = None,
+                 extra: Sequence[str] = ()) -> None:
         self.grpc_port = grpc_port  # also serves kvik's gRPC API there (`--grpc-port`) when set
         # One torch thread: two replicas, a gateway and the test share two busy cores. The PyTorch
         # attention path: the compiled CPU kernel is built on first use (30-50 s on two busy cores)
         # in a build directory that other checkouts on the machine rebuild for their own torch, and
         # these tests are about the gateway, not the kernel.
         grpc_flags = ["--grpc-port", str(grpc_port)] if grpc_port is not None else []
-        super().__init__([*kvik_serve_command(model_dir, port, log_prompts=True), *grpc_flags], port,
+        super().__init__(kvik_serve_command(model_dir, port, log_prompts=True, extra=[*extra, *grpc_flags]), port,
                          log_dir / f"kvik-serve-{name}-{port}.log",
                          env={"OMP_NUM_THREADS": "1", "KVIK_CPU_KERNELS": "0"}, model_name=UPSTREAM_MODEL,
                          stop_timeout=STOP_TIMEOUT_S)

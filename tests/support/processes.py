@@ -121,7 +121,9 @@ def serve_command(port: int, *extra: str, model_dir: str | Path | None = None, n
                   max_model_len: int | None = 512) -> list[str]:
     """`kvik serve` on 127.0.0.1:`port`; no `model_dir` serves the default model. Later flags in
     `extra` override earlier ones."""
-    argv = [*KVIK, "serve", "--port", str(port)]
+    # No drain announce: a test server stops at once on SIGTERM unless the test asks for it (later
+    # flags win).
+    argv = [*KVIK, "serve", "--port", str(port), "--drain-announce-seconds", "0"]
     if model_dir is not None:
         argv += ["--model", str(model_dir)]
     if name is not None:

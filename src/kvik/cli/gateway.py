@@ -1,6 +1,6 @@
 """`kvik gateway`: run the gateway, check its config, and manage API keys.
 
-    kvik gateway --config gateway.yaml [--host H] [--port P]
+    kvik gateway --config gateway.yaml [--host H] [--port P]   (SIGHUP reloads the config)
     kvik gateway check-config gateway.yaml
     kvik gateway keys create --config gateway.yaml --name NAME [--role user|admin] [--models a,b]
                              [--rpm N] [--tpm N] [--token-budget N] [--team T]
@@ -16,6 +16,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -26,8 +27,12 @@ if TYPE_CHECKING:
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "gateway", help="run the gateway in front of model replicas; check its config; manage keys",
-        description="An OpenAI-compatible gateway: keys, limits, routing, failover, caching, guardrails.")
-    parser.add_argument("--config", default=None, help="the gateway YAML file")
+        description="An OpenAI-compatible gateway: keys, limits, routing, failover, caching, guardrails. "
+                    "The running gateway re-reads its config file when it changes, on SIGHUP and on "
+                    "POST /admin/config/reload (models, replicas, discovery, keys and limits change live; "
+                    "host, port, storage, cache, metrics and tracing need a restart).")
+    parser.add_argument("--config", default=None,
+                        help="the gateway YAML file (re-read on change, SIGHUP and POST /admin/config/reload)")
     parser.add_argument("--host", default=None, help="interface to listen on (default: the config's, 127.0.0.1)")
     parser.add_argument("--port", type=int, default=None, help="port (default: the config's, 8080)")
     parser.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
@@ -100,7 +105,7 @@ def run_server(args: argparse.Namespace) -> int:
     metrics = (f"; /metrics on http://{config.metrics.host or host}:{config.metrics.port}"
                if config.metrics.port is not None else "")
     print(f"kvik gateway: serving {names} on http://{host}:{port}{metrics}", file=sys.stderr, flush=True)
-    serve(config, host=host, port=port, log_level=args.log_level)
+    serve(config, host=host, port=port, log_level=args.log_level, config_path=Path(args.config).resolve())
     return 0
 
 
@@ -111,7 +116,11 @@ def check_config(args: argparse.Namespace) -> int:
     print(f"{args.file}: OK")
     for model in config.models:
         aliases = f" (aliases: {', '.join(model.aliases)})" if model.aliases else ""
-        print(f"  model {model.name}{aliases}: {len(model.replicas)} replica(s), {model.balancing}")
+        found = model.discovery
+        sources = ([f"DNS {found.dns.name}"] if found and found.dns else []) + (
+            [f"file {found.file.path}"] if found and found.file else [])
+        discovery = f" + discovered from {' and '.join(sources)}" if sources else ""
+        print(f"  model {model.name}{aliases}: {len(model.replicas)} replica(s){discovery}, {model.balancing}")
     auth = "enabled" if config.auth.enabled else "disabled"
     database = config.database_url.split("://")[0]
     print(f"  auth: {auth}; database: {database}; redis: {'yes' if config.redis_url else 'no'}")

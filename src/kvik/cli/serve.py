@@ -37,7 +37,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="sequences that may queue beyond --max-num-seqs before new requests "
                              "get 503 + Retry-After")
     server.add_argument("--drain-timeout", type=float, default=30.0,
-                        help="seconds in-flight requests may take to finish after SIGTERM")
+                        help="seconds in-flight requests may take to finish once the server drains "
+                             "(after --drain-announce-seconds)")
+    server.add_argument("--drain-announce-seconds", type=float, default=6.0,
+                        help="after SIGTERM, seconds the server keeps serving while /health answers 503 "
+                             "'draining' and responses carry x-kvik-draining, so the kvik gateway and other "
+                             "balancers stop routing to it before it refuses anything; then it drains. "
+                             "Default 6: the gateway's default probe interval (5 s) plus a margin. 0: drain at "
+                             "once. SIGINT never waits"),
     server.add_argument("--max-body-bytes", type=int, default=16 * 2**20,
                         help="largest request body accepted (413 above)")
     server.add_argument("--body-read-timeout", type=float, default=30.0,
@@ -160,6 +167,7 @@ def run(args: argparse.Namespace) -> int:
     config = ServerConfig(served_model_names=names, api_key=args.api_key or os.environ.get("KVIK_API_KEY"),
                           admin_api_key=args.admin_api_key or os.environ.get("KVIK_ADMIN_API_KEY"),
                           max_waiting=args.max_waiting, drain_timeout=args.drain_timeout,
+                          drain_announce=args.drain_announce_seconds,
                           max_body_bytes=args.max_body_bytes, body_read_timeout=args.body_read_timeout,
                           header_timeout=args.header_timeout,
                           log_prompts=args.log_prompts, max_num_seqs=engine_args.max_num_seqs,

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import AsyncIterator
+import signal
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -30,15 +33,18 @@ logger = logging.getLogger("kvik.gateway")
 METRICS_PATH = "/metrics"
 
 
-def create_app(config: GatewayConfig) -> FastAPI:
+def create_app(config: GatewayConfig, config_path: Path | None = None) -> FastAPI:
+    """The gateway app; with `config_path`, SIGHUP, a change of the file and the admin API reload it."""
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state = await GatewayState.start(config)
+        state = await GatewayState.start(config, config_path)
         app.state.gateway = state
         app.state.service = ProxyService(state)
+        hangup = _on_sighup(lambda: state.reloader.reload_in_background("SIGHUP"))
         try:
             yield
         finally:
+            hangup()
             await state.close()
 
     app = FastAPI(title="kvik gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -86,6 +92,17 @@ def create_app(config: GatewayConfig) -> FastAPI:
         return JSONResponse(error_body("The gateway had an internal error.", "server_error"), status_code=500)
 
     return app
+
+
+def _on_sighup(handler: Callable[[], None]) -> Callable[[], None]:
+    """Run `handler` on SIGHUP; returns the undo. A no-op where signals cannot be handled (not the
+    main thread, as with an in-process test client, or Windows)."""
+    loop = asyncio.get_running_loop()
+    try:
+        loop.add_signal_handler(signal.SIGHUP, handler)
+    except (AttributeError, NotImplementedError, RuntimeError, ValueError):
+        return lambda: None
+    return lambda: loop.remove_signal_handler(signal.SIGHUP)
 
 
 class ListenerGate:

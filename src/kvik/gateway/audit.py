@@ -14,7 +14,7 @@ from kvik.core.errors import InvalidRequestError
 from kvik.gateway.storage.database import Database
 
 MAX_ROWS = 500
-ACTIONS = ("key.create", "key.update", "key.revoke", "key.scheduling")
+ACTIONS = ("key.create", "key.update", "key.revoke", "key.scheduling", "config.reload")
 STATUS_CLASSES = {"2xx": (200, 300), "4xx": (400, 500), "429": (429, 430), "5xx": (500, 600), "499": (499, 500)}
 
 

@@ -37,10 +37,16 @@ ANONYMOUS = Principal(key=None)
 
 class Authenticator:
     def __init__(self, config: AuthConfig, keys: KeyStore) -> None:
-        self._config = config
         self._keys = keys
         self._cache: dict[str, tuple[float, ApiKey]] = {}  # sha256 -> (expiry, key)
         self.budgets = BudgetLedger()
+        self.reconfigure(config)
+
+    def reconfigure(self, config: AuthConfig) -> None:
+        """Take a reloaded `auth` section: a new admin key is accepted (and the old one refused) at
+        once; cached keys are looked up again. Budgets in flight are kept."""
+        self._config = config
+        self._cache.clear()
         self._bootstrap = None if config.admin_key is None else ApiKey(
             id=BOOTSTRAP_ADMIN_ID, name="auth.admin_key", key_prefix=config.admin_key[:12], role="admin",
             models=None, rpm=None, tpm=None, token_budget=None, tokens_used=0, created_at=0.0)

@@ -46,6 +46,10 @@ class CircuitBreaker:
         # (second, successes, failures) buckets, oldest first, covering at most `window_s`.
         self._buckets: deque[list[int]] = deque()
 
+    def reconfigure(self, config: BreakerConfig) -> None:
+        """New thresholds from a config reload; the state and the counts so far are kept."""
+        self._config = config
+
     @property
     def state(self) -> BreakerState:
         """The current state; an open breaker whose sleep window has passed reads as half-open."""

@@ -64,6 +64,51 @@ class PricingConfig(_Section):
     output_per_million: float = Field(default=0.0, ge=0)
 
 
+class DnsDiscoveryConfig(_Section):
+    # Every A and AAAA record of `name` (a Kubernetes headless Service, say) is a replica on `port`;
+    # with `srv: true` the SRV records of `name` give each replica's host and port instead.
+    name: str = Field(min_length=1)
+    port: int | None = Field(default=None, ge=1, le=65535)
+    srv: bool = False
+    scheme: str = "http"
+    interval_s: float = Field(default=5.0, gt=0)  # re-resolved this often (record TTLs are not used)
+    # "HOST" or "HOST:PORT" of the DNS servers to ask; empty: the system's (/etc/resolv.conf).
+    nameservers: list[str] = []
+    timeout_s: float = Field(default=2.0, gt=0)
+    weight: float = Field(default=1.0, gt=0)
+    api_key: str | None = None
+
+    @model_validator(mode="after")
+    def _port_known(self) -> DnsDiscoveryConfig:
+        if not self.srv and self.port is None:
+            raise ValueError("port: A/AAAA records carry no port; give one (or use srv: true)")
+        try:  # the URLs it will make must be replica URLs
+            ReplicaConfig(url=f"{self.scheme}://replica.invalid:1")
+        except ValidationError as exc:
+            raise ValueError(f"scheme: {exc.errors()[0]['msg'].removeprefix('Value error, ')}") from None
+        return self
+
+
+class FileDiscoveryConfig(_Section):
+    # A text file of replica URLs, one per line (blank lines and `#` comments ignored), re-read when
+    # it changes; relative paths are relative to the config file.
+    path: str = Field(min_length=1)
+    interval_s: float = Field(default=2.0, gt=0)
+    weight: float = Field(default=1.0, gt=0)
+    api_key: str | None = None
+
+
+class DiscoveryConfig(_Section):
+    dns: DnsDiscoveryConfig | None = None
+    file: FileDiscoveryConfig | None = None
+
+    @model_validator(mode="after")
+    def _some_source(self) -> DiscoveryConfig:
+        if self.dns is None and self.file is None:
+            raise ValueError("give dns or file (or remove discovery)")
+        return self
+
+
 class ModelConfig(_Section):
     name: str = Field(min_length=1)
     aliases: list[str] = []
@@ -71,8 +116,17 @@ class ModelConfig(_Section):
     balancing: Literal["least_outstanding", "weighted_round_robin", "prefix_affinity"] = (
         "least_outstanding")
     prefix_affinity: PrefixAffinityConfig = Field(default_factory=PrefixAffinityConfig)
-    replicas: list[ReplicaConfig] = Field(min_length=1)
+    # Fixed replicas, and/or replicas found by `discovery` (kvik.gateway.discovery); the pool is
+    # the union of both.
+    replicas: list[ReplicaConfig] = []
+    discovery: DiscoveryConfig | None = None
     pricing: PricingConfig = Field(default_factory=PricingConfig)
+
+    @model_validator(mode="after")
+    def _has_replicas(self) -> ModelConfig:
+        if not self.replicas and self.discovery is None:
+            raise ValueError("replicas: give at least one replica, or a discovery section")
+        return self
 
 
 class AuthConfig(_Section):
@@ -269,6 +323,14 @@ class TracingSection(_Section):
     service_name: str = "kvik-gateway"
 
 
+class ReloadConfig(_Section):
+    # Re-read the config file when its content changes (polled: works with the symlink swaps of a
+    # Kubernetes ConfigMap volume, which inotify misses). SIGHUP and POST /admin/config/reload
+    # reload it whatever this says.
+    watch: bool = True
+    interval_s: float = Field(default=2.0, gt=0)
+
+
 class GatewayConfig(_Section):
     models: list[ModelConfig] = Field(min_length=1)
     auth: AuthConfig = Field(default_factory=AuthConfig)
@@ -286,6 +348,7 @@ class GatewayConfig(_Section):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     tenancy: TenancyConfig = Field(default_factory=TenancyConfig)
     tracing: TracingSection = Field(default_factory=TracingSection)
+    reload: ReloadConfig = Field(default_factory=ReloadConfig)
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=1, le=65535)
 
@@ -361,6 +424,10 @@ def _resolve_env(node: Any, where: str) -> Any:
     return node
 
 
+# "field: message" from a model validator (the field is inside the section the error is located at).
+_NAMED_FIELD = re.compile(r"([a-z_][a-z0-9_]*): ")
+
+
 def _format_validation_error(exc: ValidationError) -> str:
     lines = []
     for error in exc.errors():
@@ -370,5 +437,8 @@ def _format_validation_error(exc: ValidationError) -> str:
         message = error["msg"].removeprefix("Value error, ")
         if error["type"] == "extra_forbidden":
             message = "unknown field (check the spelling)"
+        named = _NAMED_FIELD.match(message)
+        if path and named:  # a section's own check that names one of its fields: join the paths
+            path, message = f"{path}.{named.group(1)}", message[named.end():]
         lines.append(f"{path}: {message}" if path else message)
     return "; ".join(lines)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
 from kvik.gateway.breaker import BreakerState
+from kvik.gateway.replica import Replica
 from kvik.gateway.router import ModelRouter
 
 # The `*_created` timestamp series double the exposition size and no dashboard reads them.
@@ -57,6 +58,14 @@ class GatewayMetrics:
     def on_breaker_transition(self, model: str, replica: str, state: BreakerState) -> None:
         self.breaker_state.labels(model, replica).set(int(state))
         self.breaker_transitions.labels(model, replica, state.name.lower()).inc()
+
+    def forget_replica(self, replica: Replica) -> None:
+        """A replica left the config and drained: its per-replica gauges go (counters stay)."""
+        for gauge in (self.breaker_state, self.replica_healthy, self.outstanding):
+            try:
+                gauge.remove(replica.model, replica.url)
+            except KeyError:
+                pass
 
     def render(self, router: ModelRouter) -> bytes:
         """The exposition text; per-replica gauges are refreshed first (breakers turn half-open lazily)."""

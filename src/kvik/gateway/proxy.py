@@ -36,8 +36,9 @@ import httpx
 from kvik.core import tracing
 from kvik.core.errors import ServiceUnavailableError, UpstreamError
 from kvik.gateway.balancing import RoutingContext
+from kvik.gateway.config import RetryConfig, TimeoutConfig
 from kvik.gateway.metrics import GatewayMetrics
-from kvik.gateway.replica import Outcome, Replica
+from kvik.gateway.replica import DRAIN_HEADER, Outcome, Replica
 from kvik.gateway.retry_budget import RetryBudget
 from kvik.gateway.router import ModelPool
 
@@ -99,6 +100,12 @@ class UpstreamProxy:
         self._budget = budget
         self._metrics = metrics
         self._first_byte_s = first_byte_s
+
+    def reconfigure(self, retries: RetryConfig, timeouts: TimeoutConfig) -> None:
+        """Reloaded retry and timeout settings (the retry budget keeps its window)."""
+        self._max_attempts = retries.max_attempts
+        self._budget.reconfigure(retries)
+        self._first_byte_s = timeouts.first_byte_s
 
     async def send(self, pool: ModelPool, path: str, payload: bytes, *, stream: bool,
                    context: RoutingContext, request_id: str) -> UpstreamAnswer:
@@ -225,6 +232,8 @@ class UpstreamProxy:
                           attempt: int) -> UpstreamAnswer:
         content_type = response.headers.get("content-type", "application/json")
         retry_after = response.headers.get("retry-after")
+        if DRAIN_HEADER in response.headers:
+            replica.announce_drain("a response")  # this answer is still good; the next goes elsewhere
         if not stream:
             return UpstreamAnswer(replica, response.status_code, content_type, attempt, body=response.content,
                                   retry_after=retry_after)

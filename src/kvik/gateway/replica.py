@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
 from kvik.gateway.breaker import CircuitBreaker
+
+logger = logging.getLogger("kvik.gateway.replica")
+
+# Sent by a replica that is shutting down (`kvik serve` after SIGTERM, on /health and on every
+# response): the gateway routes nothing new to it, and its in-flight requests finish.
+DRAIN_HEADER = "x-kvik-draining"
 
 
 class Outcome(Enum):
@@ -32,9 +40,32 @@ class Replica:
     # the probes mark the replica down they expire at once, so those requests fail over instead of
     # waiting for a process that stopped answering.
     waiting: set[asyncio.Timeout] = field(default_factory=set)
+    # Added by a reload or by discovery: no traffic, not even in panic mode, until a probe passes.
+    awaiting_probe: bool = False
+    # The replica said it is shutting down (`x-kvik-draining` on a response or its health probe):
+    # no new requests; the ones it has finish. Cleared when a probe finds it serving again.
+    drain_announced: bool = False
+    # Removed from the config or from discovery: out of its pool; dropped once `outstanding` is 0.
+    retired: bool = False
+    on_drained: Callable[[Replica], None] | None = None  # called once a retired replica has no attempt left
 
     def is_available(self) -> bool:
-        return self.healthy and self.breaker.can_attempt()
+        return self.in_rotation() and self.healthy and self.breaker.can_attempt()
+
+    def in_rotation(self) -> bool:
+        """May take new requests at all (panic routing too): not draining, retired or unprobed."""
+        return not (self.drain_announced or self.retired or self.awaiting_probe)
+
+    @property
+    def phase(self) -> str:
+        """One word for the admin API: retired, draining, awaiting_probe, down or up."""
+        if self.retired:
+            return "retired"
+        if self.drain_announced:
+            return "draining"
+        if self.awaiting_probe:
+            return "awaiting_probe"
+        return "up" if self.healthy else "down"
 
     def begin_attempt(self) -> None:
         self.outstanding += 1
@@ -46,6 +77,8 @@ class Replica:
         self.outstanding -= 1
         if outcome is not None:
             self.judge(outcome)
+        if self.retired and self.outstanding == 0 and self.on_drained is not None:
+            self.on_drained(self)
 
     def judge(self, outcome: Outcome) -> None:
         if outcome is Outcome.SUCCESS:
@@ -54,6 +87,13 @@ class Replica:
             self.breaker.record_failure()
         else:
             self.breaker.record_neutral()
+
+    def announce_drain(self, where: str) -> None:
+        """The replica said it is shutting down: out of rotation at once (logged once)."""
+        if not self.drain_announced:
+            self.drain_announced = True
+            logger.warning("replica %s of %s is draining (said in %s): no new requests go to it",
+                           self.url, self.model, where)
 
     def abandon_waiting(self) -> None:
         """Expire every attempt still waiting for its first byte (the replica went down)."""

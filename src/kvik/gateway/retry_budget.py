@@ -19,6 +19,10 @@ class RetryBudget:
         self._clock = clock
         self._buckets: deque[list[int]] = deque()  # [second, requests, retries]
 
+    def reconfigure(self, config: RetryConfig) -> None:
+        """Reloaded ratios; the window's counts are kept."""
+        self._config = config
+
     def record_request(self) -> None:
         self._bucket()[1] += 1
 

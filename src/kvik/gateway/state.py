@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -25,6 +26,8 @@ from kvik.gateway.ratelimit.backend import CounterBackend
 from kvik.gateway.ratelimit.limiter import RateLimiter
 from kvik.gateway.ratelimit.memory import MemoryCounters
 from kvik.gateway.ratelimit.redis import RedisCounters
+from kvik.gateway.reload import ConfigReloader
+from kvik.gateway.replica import Replica
 from kvik.gateway.retry_budget import RetryBudget
 from kvik.gateway.router import ModelRouter
 from kvik.gateway.storage.database import Database, open_database
@@ -54,11 +57,23 @@ class GatewayState:
     salter: CacheSalter | None  # per-tenant `cache_salt` sent upstream; None when turned off
     scheduling: SchedulingStore  # each key's priority tier and fair-share weight
     grpc: Any | None = None  # kvik.gateway.grpc_upstream.GrpcUpstream: channels to grpc:// replicas
+    reloader: ConfigReloader = field(init=False)  # config reloads and service discovery
 
     @classmethod
-    async def start(cls, config: GatewayConfig) -> GatewayState:
+    async def start(cls, config: GatewayConfig, config_path: Path | None = None) -> GatewayState:
+        """Build everything from `config`; `config_path` is the file reloads read again."""
         metrics = GatewayMetrics()
-        router = ModelRouter(config, metrics.on_breaker_transition, metrics.on_panic)
+        grpc = _grpc_upstream(config)
+
+        def dropped(replica: Replica) -> None:
+            """A replica that left the configuration finished its last request: forget it."""
+            metrics.forget_replica(replica)
+            if grpc is not None and replica.url.startswith("grpc://"):
+                task = asyncio.ensure_future(grpc.forget(replica.url))  # close its channel
+                _closing.add(task)
+                task.add_done_callback(_closing.discard)
+
+        router = ModelRouter(config, metrics.on_breaker_transition, metrics.on_panic, on_dropped=dropped)
         redis = await _connect_redis(config.redis_url) if config.redis_url else None
         db = await asyncio.to_thread(open_database, config.database_url)
         keys = KeyStore(db)
@@ -72,7 +87,6 @@ class GatewayState:
         auth = Authenticator(config.auth, keys)
         # Prefix-cache salts and the tenants' pseudonyms for fair share, under one secret.
         salter = CacheSalter(config.tenancy.cache_salt_secret)
-        grpc = _grpc_upstream(config)
         state = cls(
             config=config, metrics=metrics, router=router, client=client, db=db, keys=keys, auth=auth,
             limiter=RateLimiter(counters, config.limits, metrics),
@@ -80,7 +94,7 @@ class GatewayState:
             redactor=PiiRedactor(guardrails.pii) if guardrails.pii.enabled else None,
             moderation=ModerationHook(guardrails.moderation) if guardrails.moderation.hook else None,
             usage=UsageRecorder(db, keys, on_persisted=auth.budgets.persisted),
-            prober=HealthProber(router.all_replicas(), config.health, client, grpc=grpc),
+            prober=HealthProber(router.all_replicas, config.health, client, grpc=grpc),
             proxy=UpstreamProxy(client, config.retries.max_attempts, RetryBudget(config.retries), metrics,
                                 first_byte_s=config.timeouts.first_byte_s, grpc=grpc),
             redis=redis,
@@ -89,11 +103,14 @@ class GatewayState:
             scheduling=SchedulingStore(db, config.scheduling, salter, config.auth.key_cache_ttl_s),
             grpc=grpc,
         )
+        state.reloader = ConfigReloader(state, config_path)
         state.usage.start()
         state.prober.start()
+        await state.reloader.start()
         return state
 
     async def close(self) -> None:
+        await self.reloader.close()
         await self.prober.stop()
         await self.usage.stop()
         await self.client.aclose()
@@ -103,6 +120,9 @@ class GatewayState:
         if self.redis is not None:
             await self.redis.aclose()
         await asyncio.to_thread(self.db.close)
+
+
+_closing: set[asyncio.Task[None]] = set()  # channels of dropped grpc:// replicas being closed
 
 
 def _grpc_upstream(config: GatewayConfig) -> Any | None:

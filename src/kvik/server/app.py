@@ -32,7 +32,7 @@ from kvik.server.serving.completions import CompletionServing
 from kvik.server.serving.pooling import PoolingServing
 from kvik.server.serving.responses_api import ResponsesServing
 from kvik.server.serving.streams import ClientDisconnected
-from kvik.server.state import ServerState
+from kvik.server.state import DRAIN_HEADER, ServerState
 from kvik.web import PageConfig, install_web
 from kvik.web.tracing import TracingMiddleware
 
@@ -83,12 +83,27 @@ class RequestGate:
             if body is None:  # the client left while sending
                 return
             with lease_scope():  # models the request used stay loaded until its last byte is sent
-                await self.app(scope, _replay(body, receive), send)
+                await self.app(scope, _replay(body, receive), self._mark_draining(send))
             if len(body) > LARGE_BODY_BYTES:
                 del body
                 release_freed_memory()
         finally:
             self.state.request_finished()
+
+
+    def _mark_draining(self, send: Send) -> Send:
+        """`send`, adding `x-kvik-draining` to a response that starts after SIGTERM."""
+        state = self.state
+
+        async def marked(message: Message) -> None:
+            if message["type"] == "http.response.start" and state.shutting_down:
+                message = {**message, "headers": [*message.get("headers", ()), _DRAIN_HEADER_PAIR]}
+            await send(message)
+
+        return marked
+
+
+_DRAIN_HEADER_PAIR = (DRAIN_HEADER.encode(), b"1")
 
 
 class _BodyTimeout(InvalidRequestError):

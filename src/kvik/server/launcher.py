@@ -1,8 +1,11 @@
 """Start the server: listen at once (health says 503 while loading), start the engine core in its
 own process and wait for it to load and warm up the model, then report ready.
 
-SIGTERM drains: health and new requests get 503, in-flight requests finish (up to the drain
-timeout), the engine is shut down, and the process exits 0. If the engine process dies, health
+SIGTERM drains in two steps. First the drain is announced for `--drain-announce-seconds`: /health
+answers 503 "draining" and every response carries `x-kvik-draining`, but requests are still served,
+so the kvik gateway (or any balancer probing /health) takes the replica out of rotation before it
+refuses anything. Then new requests get 503, in-flight requests finish (up to the drain timeout),
+the engine is shut down, and the process exits 0. SIGINT (Ctrl-C) skips the announce. If the engine process dies, health
 turns 503, requests in flight end with an error, and the server exits 1 so that its supervisor
 (systemd, Kubernetes, the gateway's operator) restarts it.
 """
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import time
 from types import FrameType
 from typing import Any
@@ -134,9 +138,24 @@ class EngineServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         state = self.state
-        if state.draining or not state.ready or self.loop is None:
+        if state.shutting_down or not state.ready or self.loop is None:
             super().handle_exit(sig, frame)  # second signal, or nothing to drain: stop now
             return
+        announce = state.config.drain_announce if sig == signal.SIGTERM else 0.0
+        if announce > 0:
+            state.drain_announced = True
+            logger.info("signal %d: not ready for %.1fs (still serving), then draining", sig, announce)
+            self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self._announce(sig, announce)))
+            return
+        self._begin_drain(sig)
+
+    async def _announce(self, sig: int, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+        if not self.should_exit:
+            self._begin_drain(sig)
+
+    def _begin_drain(self, sig: int) -> None:
+        state = self.state
         state.draining = True
         logger.info("signal %d: draining %d in-flight request(s) for up to %.0fs",
                     sig, state.in_flight_requests, state.config.drain_timeout)

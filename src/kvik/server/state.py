@@ -27,6 +27,10 @@ from kvik.server.tool_parsers import DEFAULT_PARSER, TokenVocabulary, ToolParser
 
 logger = logging.getLogger("kvik.server")
 
+# On /health and every response once SIGTERM came: the kvik gateway stops routing to this replica
+# the moment it sees it (before the server refuses anything).
+DRAIN_HEADER = "x-kvik-draining"
+
 
 @dataclass(slots=True)
 class ServerConfig:
@@ -35,7 +39,10 @@ class ServerConfig:
     # Bearer key of the admin endpoints (runtime LoRA adapter loading); None turns them off.
     admin_api_key: str | None = None
     max_waiting: int = 256  # sequences allowed to queue beyond the running batch
-    drain_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
+    drain_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM (after the announce)
+    # Seconds after SIGTERM during which the server still serves but says it is leaving (/health 503
+    # "draining", `x-kvik-draining` on every response), so balancers stop routing to it first.
+    drain_announce: float = 6.0
     max_body_bytes: int = 16 * 2**20
     body_read_timeout: float = 30.0  # seconds a client may take to send its whole body
     header_timeout: float = 10.0  # seconds from a request's first byte to the end of its headers
@@ -66,7 +73,8 @@ class ServerState:
     engine: AsyncLLM | None = None
     models: ModelPool | None = None  # several models loaded on demand (then `engine` stays None)
     ready: bool = False
-    draining: bool = False
+    draining: bool = False  # refusing new requests (503 "draining"), finishing the ones in flight
+    drain_announced: bool = False  # leaving soon: still serving, but not ready (see ServerConfig.drain_announce)
     load_error: BaseException | None = None
     active_sequences: int = 0
     in_flight_requests: int = 0
@@ -95,6 +103,11 @@ class ServerState:
         """The name the model behind `engine` is served as (for metrics labels)."""
         name = self.models.name_of(engine) if self.models is not None else None
         return name or self.model_name
+
+    @property
+    def shutting_down(self) -> bool:
+        """Announcing a drain or draining: /health is 503 and responses carry `x-kvik-draining`."""
+        return self.drain_announced or self.draining
 
     @property
     def engine_dead(self) -> bool:

@@ -25,6 +25,10 @@ class RateLimiter:
         self._defaults = defaults
         self._metrics = metrics
 
+    def reconfigure(self, defaults: LimitsConfig) -> None:
+        """Reloaded default limits; counts so far are kept."""
+        self._defaults = defaults
+
     def tpm_of(self, principal: Principal) -> int | None:
         key = principal.key
         return None if key is None else key.tpm or self._defaults.default_tpm

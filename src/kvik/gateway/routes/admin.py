@@ -9,8 +9,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
-from kvik.core.errors import InvalidRequestError
-from kvik.gateway.audit import record_admin_action
+from kvik.core.errors import ConfigError, InvalidRequestError
+from kvik.gateway.audit import record_action, record_admin_action
 from kvik.gateway.keys import MAX_LIMIT
 from kvik.gateway.openapi import request_body
 from kvik.gateway.state import GatewayState
@@ -97,11 +97,31 @@ async def usage(request: Request) -> Response:
 
 @router.get("/replicas")
 async def replicas(request: Request) -> Response:
+    """Every replica in rotation or draining; `state` is up, down, awaiting_probe (added, not yet
+    probed), draining (the replica announced its shutdown) or retired (removed, finishing its
+    requests in flight)."""
     state = await _admin(request)
-    data = [{"model": r.model, "url": r.url, "weight": r.weight, "healthy": r.healthy,
+    data = [{"model": r.model, "url": r.url, "weight": r.weight, "healthy": r.healthy, "state": r.phase,
              "breaker": r.breaker.state.name.lower(), "outstanding": r.outstanding}
-            for r in state.router.all_replicas()]
+            for r in [*state.router.all_replicas(), *state.router.retiring]]
     return JSONResponse({"object": "list", "data": data})
+
+
+@router.post("/config/reload")
+async def reload_config(request: Request) -> Response:
+    """Read the config file again and apply it (what SIGHUP does); 400 naming the field when the
+    file is invalid, in which case the running config stays."""
+    state: GatewayState = request.app.state.gateway
+    # The actor is checked before: the reload may change the admin key this request came with.
+    actor = await state.auth.authenticate_admin(request.headers.get("authorization"))
+    try:
+        result = await state.reloader.reload("admin API")
+    except ConfigError as exc:
+        raise InvalidRequestError(f"The config file was not reloaded (the running config stays): "
+                                  f"{exc.message}") from None
+    await asyncio.to_thread(record_action, state.db, actor_key_id=actor.key_id or "", action="config.reload",
+                            target="config", detail={"changed": result.changed})
+    return JSONResponse(result.to_dict())
 
 
 def _float(query: Any, name: str) -> float | None:

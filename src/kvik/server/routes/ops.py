@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from kvik.server.state import ServerState
+from kvik.server.state import DRAIN_HEADER, ServerState
 
 router = APIRouter()
 
@@ -14,8 +14,9 @@ router = APIRouter()
 @router.get("/health", summary="200 when ready; 503 while loading, draining or when the engine died")
 async def health(request: Request) -> Response:
     state: ServerState = request.app.state.server
-    if state.draining:
-        return JSONResponse({"status": "draining"}, status_code=503, headers={"Retry-After": "5"})
+    if state.shutting_down:  # from the first moment after SIGTERM, while it still serves
+        return JSONResponse({"status": "draining"}, status_code=503,
+                            headers={"Retry-After": "5", DRAIN_HEADER: "1"})
     if state.load_error is not None:
         return JSONResponse({"status": "failed", "error": str(state.load_error)}, status_code=503)
     if not state.ready:
