@@ -37,6 +37,7 @@ class StreamLoad:
         self.total, self.concurrency, self.max_tokens, self.timeout_s = total, concurrency, max_tokens, timeout_s
         self.outcomes: list[StreamOutcome] = []
         self.started = 0
+        self.allowed = total  # requests that may start before `allow` raises it (see `allow`)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), name="stream-load", daemon=True)
 
@@ -47,6 +48,11 @@ class StreamLoad:
     def stop(self) -> None:
         """Send no more requests (the ones in flight finish)."""
         self._stop.set()
+
+    def allow(self, count: int) -> None:
+        """Start no more than `count` requests until this is called again with a higher count: keeps
+        part of the load back for a later phase of a test however fast the machine runs."""
+        self.allowed = min(count, self.total)
 
     def wait_started(self, count: int, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
@@ -71,6 +77,9 @@ class StreamLoad:
 
     async def _worker(self, client: httpx.AsyncClient, worker: int) -> None:
         while not self._stop.is_set() and self.started < self.total:
+            if self.started >= self.allowed:
+                await asyncio.sleep(0.01)
+                continue
             number = self.started
             self.started += 1  # one event loop thread: no race between workers
             self.outcomes.append(await self._one(client, f"load {worker} {number}"))

@@ -113,11 +113,14 @@ def test_rolling_update_under_streaming_load_loses_nothing(tiny_llama: Path, wor
     gateway = gateways.start({"models": [model_config("tiny", [old_a, old_b])], "reload": {"watch": False}},
                              name="rollout")
     key = gateway.create_key(name="rollout")
-    load = StreamLoad(gateway.url, key, total=200, concurrency=16, max_tokens=24).start()
+    load = StreamLoad(gateway.url, key, total=200, concurrency=16, max_tokens=24)
+    load.allow(100)  # the second half waits for the first swap, so both swaps happen under load
+    load.start()
 
     load.wait_started(40)
     in_flight_first = replace(gateway, old_a, new_c, staying=old_b)
-    load.wait_started(min(load.started + 40, 160))
+    load.allow(200)
+    load.wait_started(min(load.started + 20, 160))
     in_flight_second = replace(gateway, old_b, new_d, staying=new_c)
     outcomes = load.join()
 
