@@ -31,6 +31,8 @@ from kvik.model.quant.prequantized import CheckpointInt4, PrequantizedWeight, co
 
 logger = logging.getLogger("kvik.model")
 
+FLOAT_PIECE = "the checkpoint stores some of their pieces unquantized or in a format without an int4 form"
+
 
 @dataclass(frozen=True, slots=True)
 class FusedPiece:
@@ -123,7 +125,7 @@ class WeightLoader:
         if leaf == "weight" and isinstance(self.modules.get(module_path), nn.Linear):
             self._float_modules.add(module_path)
             if module_path in self._pending:
-                self._fall_back(module_path, f"{_part(name)} is not 4-bit in the checkpoint")
+                self._fall_back(module_path, FLOAT_PIECE)
         self._copy(name, target, piece, tensor)
         return True
 
@@ -163,11 +165,11 @@ class WeightLoader:
             return True
         if module_path in self._float_modules:
             if module_path not in self._fell_back:
-                self._fall_back(module_path, "another of its pieces is not 4-bit in the checkpoint")
+                self._fall_back(module_path, FLOAT_PIECE)
             self._copy(name, target, piece, weight.dequantize())
             return True
         rows = module.out_features if piece is None else piece.size
-        reason = (f"{_part(name)} is {weight.source} with {weight.unfit_reason}" if weight.int4 is None
+        reason = (f"the checkpoint stores them as {weight.source} with {weight.unfit_reason}" if weight.int4 is None
                   else "the model transforms its checkpoint tensors" if self.transform is not None
                   else "checkpoint and config disagree on its shape"
                   if weight.shape != (rows, module.in_features) else "")
@@ -223,14 +225,9 @@ class WeightLoader:
             setattr(self.modules[parent], child, layer)
             self.int4.nbytes += layer.nbytes
         self._ready.clear()
-        if self.int4.layers or self.int4.dequantized:
+        if self.int4.layers:
             logger.info("pre-quantized weights: %s", self.int4.describe())
         for reason, count in self._fallbacks.items():
             logger.info("pre-quantized weights: %d linear module(s) loaded as float instead of int4 "
                         "because %s (e.g. %s)", count, reason, self._fallback_example[reason])
 
-
-def _part(name: str) -> str:
-    """The checkpoint module a tensor belongs to, without its layer: `v_proj` for
-    `model.layers.3.self_attn.v_proj.weight`."""
-    return name.rpartition(".")[0].rpartition(".")[2]
