@@ -168,11 +168,13 @@ class WeightLoader:
                 self._fall_back(module_path, FLOAT_PIECE)
             self._copy(name, target, piece, weight.dequantize())
             return True
-        rows = module.out_features if piece is None else piece.size
-        reason = (f"the checkpoint stores them as {weight.source} with {weight.unfit_reason}" if weight.int4 is None
-                  else "the model transforms its checkpoint tensors" if self.transform is not None
-                  else "checkpoint and config disagree on its shape"
-                  if weight.shape != (rows, module.in_features) else "")
+        reason = ""
+        if weight.int4 is None:
+            reason = f"the checkpoint stores them as {weight.source} with {weight.unfit_reason}"
+        elif self.transform is not None:  # it may reorder or transpose rows: only floats go through it
+            reason = "the model transforms its checkpoint tensors"
+        elif weight.shape != (module.out_features if piece is None else piece.size, module.in_features):
+            reason = "checkpoint and config disagree on their shape"  # _copy reports the mismatch
         pending = self._pending.setdefault(
             module_path, _PendingInt4(len(self.pieces_of.get(module_path.rpartition(".")[2], [])) or 1))
         pending.pieces[0 if piece is None else piece.start] = (name, weight)

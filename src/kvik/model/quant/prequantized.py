@@ -98,7 +98,7 @@ class CheckpointInt4:
     def describe(self) -> str:
         groups = "/".join(map(str, sorted(self.group_sizes)))
         zeros = "zero points" if self.zero_points else "symmetric"
-        text = (f"int4 from the checkpoint ({', '.join(sorted(self.sources))}, groups of {groups}, {zeros}; "
+        text = (f"int4 from the checkpoint ({' + '.join(sorted(self.sources))}, groups of {groups}, {zeros}; "
                 f"{self.layers} linear layers")
         if self.dequantized:
             text += f", {self.dequantized} dequantized"
