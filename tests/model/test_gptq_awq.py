@@ -174,3 +174,21 @@ def test_layers_that_cannot_be_int4_fall_back_to_the_exact_dequantization(tiny_l
     lines = [r.getMessage() for r in caplog.records if "instead of int4" in r.getMessage()]
     assert len(lines) == 1 and lines[0].startswith(f"pre-quantized weights: {modules} linear module(s)")
     assert f"because {reason} (e.g. model.layers.0." in lines[0]
+
+
+@pytest.mark.parametrize("engine_args,precision", [
+    ({"quantization": "int8"}, "weights int8, "),
+    ({"dtype": "bfloat16"}, "weights bfloat16, "),
+    ({"quantization": "int4", "quantization_group_size": 128},
+     "weights int4 from the checkpoint (GPTQ, groups of 32, zero points; 8 linear layers), other linear "
+     "layers int4 (groups of 128, symmetric; LM head int8), "),
+], ids=["int8", "bfloat16", "int4"])
+def test_another_requested_format_dequantizes_first(tiny_llama, tmp_path, engine_args, precision):
+    """int8 and bfloat16 are applied to the dequantized weights, as for a float model; int4 keeps the
+    checkpoint's own layers and quantizes the rest (here the LM head) with the requested groups."""
+    quantized_copy(tiny_llama, tmp_path / "q", "gptq")
+    llm = LLM(str(tmp_path / "q"), show_progress=False, **engine_args)
+    assert llm.engine.info.precision.startswith(precision), llm.engine.info.precision
+    int4_groups = {m.group_size for m in llm.engine.core.model.modules()
+             if isinstance(m, WeightOnlyLinear) and m.kind == "int4"}
+    assert int4_groups == ({32} if "quantization_group_size" in engine_args else set())
