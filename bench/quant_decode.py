@@ -4,6 +4,7 @@
     python bench/quant_decode.py                            # the 125M reference model, 3 rounds
     python bench/quant_decode.py --rounds 2 --decode-tokens 64
     python bench/quant_decode.py --quality-model DIR        # + KV agreement on a trained model
+    python bench/quant_decode.py --model SmolLM2.Q4_1.gguf --formats float32,checkpoint,int4 --skip-kv
 
 Single-stream decode tok/s and bytes per token as a fraction of the paired read bandwidth, 512-token
 prompt tok/s, ratios to float32; KV tokens per GiB and concurrent 1k-token sequences at a fixed
@@ -16,7 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvik.bench.quant import WEIGHT_FORMATS, QuantBenchConfig, run
+from kvik.bench.quant import DEFAULT_FORMATS, KV_DTYPES, WEIGHT_FORMATS, QuantBenchConfig, run
 from kvik.cli.bench import reference_model_path
 from kvik.core.config import parse_bytes
 
@@ -24,7 +25,10 @@ from kvik.core.config import parse_bytes
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model directory (default: the 125M reference model)")
-    parser.add_argument("--formats", default=",".join(WEIGHT_FORMATS), help="weight formats, comma-separated")
+    parser.add_argument("--formats", default=",".join(DEFAULT_FORMATS),
+                        help=f"weight formats, comma-separated, of {', '.join(WEIGHT_FORMATS)} (checkpoint: "
+                             "a pre-quantized checkpoint's int4 layers as stored)")
+    parser.add_argument("--skip-kv", action="store_true", help="weights only: no KV cache capacity figures")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--prompt-len", type=int, default=512)
@@ -41,7 +45,8 @@ def main(argv: list[str]) -> int:
         quality = str(demo) if demo else None
     config = QuantBenchConfig(model=args.model or reference_model_path(), formats=tuple(args.formats.split(",")),
                               rounds=args.rounds, decode_tokens=args.decode_tokens, prompt_len=args.prompt_len,
-                              kv_budget=args.kv_budget, quality_model=quality, out=args.json)
+                              kv_budget=args.kv_budget, quality_model=quality, out=args.json,
+                              kv_dtypes=() if args.skip_kv else KV_DTYPES)
     run(config)
     return 0
 

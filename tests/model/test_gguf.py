@@ -1,7 +1,11 @@
 """GGUF files: weights equal the `gguf` package's dequantization and transformers' GGUF reader, config
-and tokenizer come from the metadata, and greedy output equals transformers loading the same file."""
+and tokenizer come from the metadata, and greedy output equals transformers loading the same file.
+The 4-bit types (Q4_0/Q4_1/Q4_K) are served as int4 layers from their own blocks; the others, and
+fused modules with a piece in another type, fall back to the same dequantization."""
 
 from __future__ import annotations
+
+import logging
 
 import gguf
 import numpy as np
@@ -12,6 +16,9 @@ from kvik import LLM, SamplingParams
 from kvik.core.errors import ConfigError
 from kvik.core.tokenizer import Tokenizer
 from kvik.model.loader import load_model, load_model_config, resolve_model_path
+from kvik.model.quant import WeightOnlyLinear
+from kvik.model.quant.packing import unpack_int4
+from kvik.model.weights import FLOAT_PIECE
 from tests.model.gguf_files import LlamaShape, write_llama_gguf
 
 Q = gguf.GGMLQuantizationType
@@ -106,9 +113,16 @@ def test_tokenizer_and_chat_template_equal_transformers_and_are_cached(gguf_dir,
 
 
 @torch.no_grad()
-def test_greedy_output_equals_transformers_on_the_same_file(gguf_dir):
-    path = write_llama_gguf(gguf_dir / "mixed.gguf", Q.Q8_0, tied=False, seed=3, types=MIXED)
+@pytest.mark.parametrize("weight_type,types", [(Q.Q8_0, MIXED), (Q.Q4_K, None), (Q.Q4_0, None)],
+                         ids=["mixed", "Q4_K", "Q4_0"])
+def test_greedy_output_equals_transformers_on_the_same_file(gguf_dir, weight_type, types):
+    """kvik serves the 4-bit tensors as int4 (all linears of the Q4_K and Q4_0 files, attn_output of
+    the mixed one), transformers dequantizes them to float32."""
+    path = write_llama_gguf(gguf_dir / f"greedy-{weight_type.name}.gguf", weight_type, tied=False, seed=3,
+                            types=types)
     llm = LLM(str(path), show_progress=False)
+    layers = "9 linear layers" if types is None else "2 linear layers, 2 dequantized"
+    assert f"; {layers})" in llm.engine.info.precision
     hf = hf_from_gguf(path)
     prompts = ["The moon rose over the quiet hills", "Questions and answers", "Once upon a time"]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -118,6 +132,85 @@ def test_greedy_output_equals_transformers_on_the_same_file(gguf_dir):
         out = hf.generate(torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12,
                           do_sample=False, pad_token_id=0)
         assert ours == out[0, len(ids):].tolist(), prompt
+
+
+def int4_modules(model) -> dict[str, WeightOnlyLinear]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, WeightOnlyLinear)}
+
+
+def weight_of(module) -> torch.Tensor:
+    return module.dequantize() if isinstance(module, WeightOnlyLinear) else module.weight
+
+
+FUSED_ROWS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def by_hf_name(model, config) -> dict[str, torch.Tensor]:
+    """Every linear's weight under its HF name, fused modules split back, int4 dequantized."""
+    sizes = {"q_proj": config.num_heads * config.head_dim, "k_proj": config.kv_dim, "v_proj": config.kv_dim,
+             "gate_proj": config.intermediate_size, "up_proj": config.intermediate_size}
+    weights = {}
+    for name, module in model.named_modules():
+        if not hasattr(module, "in_features"):
+            continue
+        parent, _, leaf = name.rpartition(".")
+        weight, start = weight_of(module), 0
+        for part in FUSED_ROWS.get(leaf, ()):
+            weights[f"{parent}.{part}.weight"] = weight[start:start + sizes[part]]
+            start += sizes[part]
+        if leaf not in FUSED_ROWS:
+            weights[f"{name}.weight"] = weight
+    return weights
+
+
+@pytest.mark.parametrize("qtype,bytes_per_weight", [(Q.Q4_0, 0.5625), (Q.Q4_1, 0.625), (Q.Q4_K, 0.625)],
+                         ids=["Q4_0", "Q4_1", "Q4_K"])
+def test_4bit_tensors_become_int4_layers_equal_to_the_reference(gguf_dir, qtype, bytes_per_weight):
+    path = write_llama_gguf(gguf_dir / f"{qtype.name}.gguf", qtype, tied=False, seed=1)
+    config = load_model_config(path)
+    loaded = load_model(path, config, torch.device("cpu"), torch.float32, show_progress=False, keep_int4=True)
+    modules = int4_modules(loaded.model)
+    # q/k/v, o, gate/up, down in both layers, and the LM head (output.weight); the embedding is no
+    # linear and stays float.
+    assert len(modules) == 4 * config.num_layers + 1 and "lm_head" in modules
+    assert all(m.kind == "int4" and m.group_size == 32 for m in modules.values())
+    assert loaded.checkpoint_int4.sources == {f"GGUF {qtype.name}"} and not loaded.checkpoint_int4.dequantized
+    weights = sum(m.in_features * m.out_features for m in modules.values())
+    assert sum(m.nbytes for m in modules.values()) / weights == bytes_per_weight
+    reference = hf_from_gguf(path).state_dict()  # q/k rows unpermuted by transformers, as by kvik
+    for name, weight in by_hf_name(loaded.model, config).items():
+        if qtype != Q.Q4_K:  # d * q + m (Q4_1) and d * q - 8 d (Q4_0): float16 holds both exactly
+            assert torch.equal(weight, reference[name]), name
+    for name, module in modules.items():
+        if qtype != Q.Q4_K:
+            continue
+        # Q4_K's d * sc and dmin * m are rounded to float16 once each: |error| <= 2**-11 (|scale| v +
+        # |offset|), here taken from the rounded values (hence the 2**-10 margin).
+        q = unpack_int4(module.data, module.scales, module.offsets, module.out_features, 32)
+        bound = (q.values.float() * q.scales.float().abs().repeat_interleave(32, 1)
+                 + q.offsets.float().abs().repeat_interleave(32, 1)) * 2.0**-11 * (1 + 2.0**-10)
+        parent, _, leaf = name.rpartition(".")
+        prefix = f"{parent}." if parent else ""
+        expected = torch.cat([reference[f"{prefix}{part}.weight"] for part in FUSED_ROWS.get(leaf, (leaf,))])
+        error = (module.dequantize() - expected).abs()
+        assert (error <= bound).all() and error.max() > 0, (name, error.max())
+
+
+def test_a_fused_module_with_a_piece_of_another_type_falls_back_to_float(gguf_dir, caplog):
+    """The Q4_K_M-style mix: q (Q4_K) and k (Q4_0) share qkv_proj with v (Q6_K), which has no int4
+    form, so qkv_proj is float; attn_output (Q4_1) is int4; everything equals transformers."""
+    path = write_llama_gguf(gguf_dir / "mixed-int4.gguf", Q.Q8_0, tied=False, seed=3, types=MIXED)
+    config = load_model_config(path)
+    with caplog.at_level(logging.INFO, logger="kvik.model"):
+        loaded = load_model(path, config, torch.device("cpu"), torch.float32, show_progress=False,
+                            keep_int4=True)
+    assert sorted(int4_modules(loaded.model)) == [f"model.layers.{i}.self_attn.o_proj" for i in range(2)]
+    assert (loaded.checkpoint_int4.layers, loaded.checkpoint_int4.dequantized) == (2, 2)
+    reference = hf_from_gguf(path).state_dict()
+    for name, weight in by_hf_name(loaded.model, config).items():
+        assert torch.equal(weight, reference[name]), name
+    assert any(f"2 linear module(s) loaded as float instead of int4 because {FLOAT_PIECE}" in r.getMessage()
+               for r in caplog.records)
 
 
 def test_unsupported_architecture_is_a_clear_error(gguf_dir):

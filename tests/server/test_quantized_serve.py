@@ -1,5 +1,6 @@
 """`kvik serve --quantization/--kv-cache-dtype`: the flags reach the engine process, whose greedy
-output equals the offline engine's with the same arguments, and `--help` describes them."""
+output equals the offline engine's with the same arguments, and `--help` describes them. A GPTQ
+checkpoint is served as int4 from its own codes."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import sys
 import openai
 
 from kvik import LLM, SamplingParams
+from tests.model.gptq_files import quantized_copy
 
 ARGS = {"quantization": "int4", "quantization_group_size": 32, "kv_cache_dtype": "int8"}
 
@@ -37,3 +39,19 @@ def test_serve_help_describes_the_precision_flags():
                  "--kv-cache-dtype"):
         assert flag in text
     assert "a scale per output channel" in text and "per token and head" in text
+
+
+def test_a_gptq_checkpoint_is_served_as_int4_from_its_own_codes(server_factory, tiny_llama, tmp_path_factory):
+    path = tmp_path_factory.mktemp("gptq") / "model"
+    quantized_copy(tiny_llama, path, "gptq", seed=5)
+    server = server_factory(model_dir=path, name="tiny-gptq")
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "Name three colours."}]
+    chat = client.chat.completions.create(model="tiny-gptq", messages=messages, temperature=0, max_tokens=12,
+                                          extra_body={"ignore_eos": True})
+    offline = LLM(str(path), show_progress=False, max_model_len=512)
+    expected = offline.chat([messages], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert chat.choices[0].message.content == expected[0].outputs[0].text
+    assert chat.usage.completion_tokens == 12
+    line = "weights int4 from the checkpoint (GPTQ, groups of 32, zero points; 8 linear layers)"
+    assert offline.engine.info.precision.startswith(line) and line in server.log()

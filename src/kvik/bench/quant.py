@@ -30,18 +30,22 @@ from typing import Any
 import torch
 
 WEIGHT_FORMATS: dict[str, dict[str, Any]] = {
-    "float32": {},
+    # An explicit float32 dequantizes a pre-quantized checkpoint (GPTQ/AWQ/GGUF Q4_*) to float32.
+    "float32": {"dtype": "float32"},
     "bfloat16": {"dtype": "bfloat16", "kv_cache_dtype": "float32"},
     "int8": {"quantization": "int8"},
     "int4": {"quantization": "int4"},
+    # The engine's defaults: a pre-quantized checkpoint's 4-bit layers as int4 from its own codes.
+    "checkpoint": {},
 }
+DEFAULT_FORMATS = ("float32", "bfloat16", "int8", "int4")
 KV_DTYPES = ("float32", "bfloat16", "int8")
 
 
 @dataclass(slots=True)
 class QuantBenchConfig:
     model: str
-    formats: tuple[str, ...] = tuple(WEIGHT_FORMATS)
+    formats: tuple[str, ...] = DEFAULT_FORMATS
     rounds: int = 3
     decode_tokens: int = 128
     decode_prompt_len: int = 64
@@ -49,6 +53,7 @@ class QuantBenchConfig:
     prompt_repeats: int = 3
     kv_budget: int = 2**30  # bytes, for the concurrent-sequences figure
     kv_sequence_len: int = 1024
+    kv_dtypes: tuple[str, ...] = KV_DTYPES  # KV capacity figures for these (empty: none)
     quality_model: str | None = None  # a trained model for agreement / logprob error
     out: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -199,12 +204,15 @@ def run(config: QuantBenchConfig) -> dict[str, Any]:
                      f"{_spread(prompt_ratio):>18}")
     bandwidths = [r[f]["read_bandwidth"] / 1e9 for r in rounds for f in config.formats]
     lines.append(f"  paired read bandwidth over the run: {min(bandwidths):.1f}-{max(bandwidths):.1f} GB/s")
-    kv = {dtype: kv_capacity(config.model, dtype, config.kv_budget, config.kv_sequence_len) for dtype in KV_DTYPES}
-    lines += ["", f"KV cache ({config.kv_budget / 2**30:g} GiB budget, {config.kv_sequence_len}-token sequences):"]
+    kv = {dtype: kv_capacity(config.model, dtype, config.kv_budget, config.kv_sequence_len)
+          for dtype in config.kv_dtypes}
+    if kv:
+        lines += ["", f"KV cache ({config.kv_budget / 2**30:g} GiB budget, {config.kv_sequence_len}-token sequences):"]
+    base = next(iter(kv.values()), None)
     for dtype, figures in kv.items():
         lines.append(f"  {dtype:<9} {figures['bytes_per_token']:6d} B/token  "
                      f"{figures['tokens_per_gib']:8d} tokens/GiB "
-                     f"({figures['tokens_per_gib'] / kv['float32']['tokens_per_gib']:.2f}x float32)  "
+                     f"({figures['tokens_per_gib'] / base['tokens_per_gib']:.2f}x {config.kv_dtypes[0]})  "
                      f"{figures['sequences']:4d} concurrent sequences")
     report: dict[str, Any] = {"config": asdict(config), "rounds": rounds, "weights": summary, "kv": kv}
     if config.quality_model:

@@ -30,7 +30,9 @@ class EngineArgs:
     tokenizer: str | None = None  # defaults to the model's directory
     revision: str | None = None  # hub revision when `model` is a hub id
     device: str = "auto"  # auto: CUDA when available, else CPU
-    dtype: str = "auto"  # auto: bfloat16 (float16 without bf16 support) on CUDA, float32 on CPU
+    # auto: bfloat16 (float16 without bf16 support) on CUDA, float32 on CPU; a pre-quantized
+    # checkpoint keeps its int4 layers under auto only (kvik.model.quant.keeps_checkpoint_int4).
+    dtype: str = "auto"
     # Weight-only quantization at load: int8 (per output channel) or int4 (per group of inputs).
     quantization: str | None = None
     quantization_group_size: int = 64  # int4: inputs per scale
@@ -186,10 +188,13 @@ class EngineArgs:
         group.add_argument("--dtype", default="auto", choices=DTYPES,
                            help="weights and KV dtype (default: auto: bfloat16 on CUDA, float32 on CPU). "
                                 "On the CPU, bfloat16 narrows the weights and KV cache; arithmetic stays "
-                                "float32 unless the CPU has bfloat16 instructions")
+                                "float32 unless the CPU has bfloat16 instructions. A pre-quantized checkpoint "
+                                "(GPTQ, AWQ, GGUF Q4_0/Q4_1/Q4_K) keeps its int4 layers under auto; an "
+                                "explicit dtype dequantizes them to it")
         group.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                            help="quantize the weights at load: int8 (a scale per output channel) or int4 "
-                                "(a scale per group of inputs; the LM head int8)")
+                                "(a scale per group of inputs; the LM head int8). int4 on a pre-quantized "
+                                "checkpoint keeps its own int4 layers and quantizes the rest")
         group.add_argument("--quantization-group-size", type=int, default=64,
                            choices=QUANTIZATION_GROUP_SIZES,
                            help="int4: inputs per scale (default: 64)")

@@ -17,6 +17,7 @@ Not thread-safe: one thread drives it.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -44,7 +45,7 @@ from kvik.model.lora import LoRAModel, enable_lora
 from kvik.model.loader import load_model, load_model_config, resolve_model_path
 from kvik.model.models.registry import model_class as architecture_class
 from kvik.model.pooling import LAST, label_names, load_pooling_config
-from kvik.model.quant import resolve_precision
+from kvik.model.quant import keeps_checkpoint_int4, resolve_precision
 from kvik.model.transforms import optimize_for_inference
 
 logger = logging.getLogger("kvik.engine")
@@ -78,7 +79,11 @@ class EngineCore:
         self.max_num_batched_tokens = self._resolve_token_budget()
 
         started = time.perf_counter()
-        loaded = load_model(path, cfg, self.device, self.dtype, show_progress=args.show_progress)
+        loaded = load_model(path, cfg, self.device, self.dtype, show_progress=args.show_progress,
+                            keep_int4=keeps_checkpoint_int4(args.dtype, args.quantization))
+        if loaded.checkpoint_int4 is not None and loaded.checkpoint_int4.layers:
+            self.precision = dataclasses.replace(self.precision,
+                                                 checkpoint_int4=loaded.checkpoint_int4.describe())
         self.model = loaded.model
         self.weight_bytes = loaded.weight_bytes
         logger.info("loaded %s (%s, %.1f MiB) on %s as %s in %.1fs", path, cfg.architecture,

@@ -3,7 +3,9 @@
 The model is built on the meta device, so no memory is spent on random initialisation, then
 materialised on the target device and filled tensor by tensor from the checkpoint (single file or
 shards listed in `model.safetensors.index.json`, GPTQ/AWQ int4 layers dequantized, or a GGUF file
-dequantized; see `kvik.model.formats`), with a progress bar.
+dequantized; see `kvik.model.formats`), with a progress bar. With `keep_int4`, the 4-bit layers of a
+pre-quantized checkpoint become kvik's int4 `WeightOnlyLinear`s from their own codes instead, and
+their float weights are never allocated (`kvik.model.weights`).
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from torch import nn
 
 from kvik.core.errors import ConfigError, MissingWeightsError
 from kvik.model.config import ModelConfig, model_config_from_hf
-from kvik.model.formats.gguf import gguf_hf_config, gguf_tensors, is_gguf_file
-from kvik.model.formats.safetensors_checkpoint import checkpoint_tensors
+from kvik.model.formats.gguf import gguf_hf_config, gguf_prequantized_names, gguf_tensors, is_gguf_file
+from kvik.model.formats.safetensors_checkpoint import checkpoint_tensors, prequantized_names
 from kvik.model.models.registry import model_class
+from kvik.model.quant.linear import WeightOnlyLinear
+from kvik.model.quant.prequantized import CheckpointInt4
 
 logger = logging.getLogger("kvik.model")
 
@@ -34,7 +38,8 @@ class LoadedModel:
     model: nn.Module
     config: ModelConfig
     path: Path
-    weight_bytes: int
+    weight_bytes: int  # parameters plus int4 layers' packed buffers, as held after loading
+    checkpoint_int4: CheckpointInt4 | None = None  # layers kept as int4 from the checkpoint (keep_int4)
 
 
 def resolve_model_path(model: str, revision: str | None = None) -> Path:
@@ -105,32 +110,68 @@ def checkpoint_files(path: Path) -> list[Path]:
 
 
 def load_model(path: Path, config: ModelConfig, device: torch.device, dtype: torch.dtype,
-               show_progress: bool = True) -> LoadedModel:
+               show_progress: bool = True, keep_int4: bool = False) -> LoadedModel:
+    """Build the model for `config` on `device` in `dtype` and fill it from the checkpoint at `path`.
+    `keep_int4`: serve the 4-bit layers of a GPTQ/AWQ/GGUF checkpoint as int4 from their own codes
+    (the rest of the model in `dtype`); without it they are dequantized to `dtype`."""
     cls = model_class(config.architecture)
     with torch.device("meta"):
         model = cls(config)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    model = model.to(dtype=dtype)
+    gguf = is_gguf_file(path)
+    lazy: set[str] = set()
+    if keep_int4:
+        meta_loader = model.weight_loader()
+        names = (gguf_prequantized_names(path, config.raw, set(meta_loader.missing)) if gguf
+                 else prequantized_names(checkpoint_files(path), config.raw.get("quantization_config")))
+        lazy = meta_loader.lazy_int4_params(n for n in names if not model.skip_checkpoint_tensor(n))
+    _materialize(model, device, lazy)
     model.tie_weights()
     loader = model.weight_loader()
-    if is_gguf_file(path):
-        tensors = gguf_tensors(path, config.raw, set(loader.missing), show_progress)
+    if keep_int4:
+        loader.enable_int4(device)
+    if gguf:
+        tensors = gguf_tensors(path, config.raw, set(loader.missing), show_progress, keep_int4)
     else:
         tensors = checkpoint_tensors(checkpoint_files(path), config.raw.get("quantization_config"),
-                                     model.skip_checkpoint_tensor, show_progress)
+                                     model.skip_checkpoint_tensor, show_progress, keep_int4)
     unexpected: list[str] = []
-    weight_bytes = 0
     with torch.no_grad():
         for name, tensor in tensors:
             if model.skip_checkpoint_tensor(name):
                 continue
-            if loader.load(model.checkpoint_name(name), tensor):
-                weight_bytes += tensor.numel() * dtype.itemsize
-            else:
+            if not loader.load(model.checkpoint_name(name), tensor):
                 unexpected.append(name)
-    loader.finish(f"checkpoint {path}")
+        loader.finish(f"checkpoint {path}")
     if unexpected:
         logger.warning("ignored %d checkpoint tensor(s) the model does not use: %s", len(unexpected),
                        ", ".join(unexpected[:5]))
+    weight_bytes = _held_bytes(model)
     model.prepare(device, dtype)
     model.eval()
-    return LoadedModel(model=model, config=config, path=path, weight_bytes=weight_bytes)
+    int4 = loader.int4 if loader.int4.layers or loader.int4.dequantized else None
+    return LoadedModel(model=model, config=config, path=path, weight_bytes=weight_bytes, checkpoint_int4=int4)
+
+
+def _materialize(model: nn.Module, device: torch.device, lazy: set[str]) -> None:
+    """Allocate (uninitialised) every parameter and buffer of a meta-device model on `device`, except
+    the parameters named in `lazy`, which stay on the meta device for the weight loader."""
+    for module_path, module in model.named_modules():
+        keep = {leaf for leaf, _ in module.named_parameters(recurse=False)
+                if (f"{module_path}.{leaf}" if module_path else leaf) in lazy}
+        if not keep:
+            module.to_empty(device=device, recurse=False)
+            continue
+        for leaf, param in list(module.named_parameters(recurse=False)):
+            if leaf not in keep:
+                setattr(module, leaf, nn.Parameter(torch.empty_like(param, device=device), param.requires_grad))
+        for leaf, buffer in list(module.named_buffers(recurse=False)):
+            setattr(module, leaf, torch.empty_like(buffer, device=device))
+
+
+def _held_bytes(model: nn.Module) -> int:
+    """Bytes of the loaded weights: every distinct parameter (tied ones once) and the int4 layers'
+    packed codes, scales, offsets and biases."""
+    params = {id(p): p for p in model.parameters()}
+    return (sum(p.numel() * p.element_size() for p in params.values())
+            + sum(m.nbytes for m in model.modules() if isinstance(m, WeightOnlyLinear)))

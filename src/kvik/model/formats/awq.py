@@ -1,4 +1,5 @@
-"""AWQ checkpoints (AutoAWQ's GEMM layout, as transformers and vLLM read them), dequantized at load.
+"""AWQ checkpoints (AutoAWQ's GEMM layout, as transformers and vLLM read them): served as int4 from
+their own codes, or dequantized at load.
 
 Per quantized linear `<m>` (in_features -> out_features), 4 bits, groups of `group_size` inputs:
   <m>.qweight  int32 (in, out / 8)      codes packed along the output dim
@@ -17,6 +18,7 @@ import torch
 
 from kvik.core.errors import ConfigError
 from kvik.model.formats.packed_ints import unpack_int32
+from kvik.model.quant.prequantized import PrequantizedWeight, int4_from_zero_points, unfit_group_reason
 
 PARTS = ("qweight", "qzeros", "scales")
 REQUIRED_PARTS = PARTS
@@ -44,18 +46,38 @@ class AWQFormat:
         group_size = int(config.get("group_size", config.get("q_group_size", 128)))
         return cls(bits=bits, group_size=group_size)
 
-    def dequantize(self, name: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
-        """float32 (out_features, in_features) weight of the linear whose parts are given."""
-        qweight = unpack_int32(parts["qweight"], self.bits, dim=1, order=AWQ_ORDER)  # (in, out)
+    def unpack(self, name: str, parts: dict[str, torch.Tensor]
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """codes (in, out), zeros (groups, out), scales (groups, out) as stored, group size."""
+        codes = unpack_int32(parts["qweight"], self.bits, dim=1, order=AWQ_ORDER)  # (in, out)
         zeros = unpack_int32(parts["qzeros"], self.bits, dim=1, order=AWQ_ORDER)  # (groups, out)
-        scales = parts["scales"].float()
-        in_features = qweight.shape[0]
+        scales = parts["scales"]
+        in_features = codes.shape[0]
         group = in_features if self.group_size == -1 else self.group_size
         if in_features % group or scales.shape != zeros.shape \
-                or scales.shape != (in_features // group, qweight.shape[1]):
+                or scales.shape != (in_features // group, codes.shape[1]):
             raise ConfigError(f"{name}: AWQ tensors disagree: qweight unpacks to "
-                              f"{tuple(qweight.shape)}, qzeros to {tuple(zeros.shape)}, scales "
+                              f"{tuple(codes.shape)}, qzeros to {tuple(zeros.shape)}, scales "
                               f"{tuple(scales.shape)} with group size {group}")
-        weight = (qweight - zeros.repeat_interleave(group, 0)).float() \
-            * scales.repeat_interleave(group, 0)
+        return codes, zeros, scales, group
+
+    def dequantize(self, name: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        """float32 (out_features, in_features) weight of the linear whose parts are given."""
+        codes, zeros, scales, group = self.unpack(name, parts)
+        weight = (codes - zeros.repeat_interleave(group, 0)).float() \
+            * scales.float().repeat_interleave(group, 0)
         return weight.t().contiguous()
+
+    def prequantized(self, name: str, parts: dict[str, torch.Tensor]) -> PrequantizedWeight:
+        """The linear as kvik's int4 from its own codes when they fit, else with the reason."""
+        codes, zeros, scales, group = self.unpack(name, parts)
+        shape = (codes.shape[1], codes.shape[0])
+
+        def dequantize() -> torch.Tensor:
+            return self.dequantize(name, parts)
+
+        reason = unfit_group_reason(group)
+        int4 = reason or int4_from_zero_points(codes.t(), scales.t(), zeros.t(), group)
+        if isinstance(int4, str):
+            return PrequantizedWeight.unfit("AWQ", shape, int4, dequantize)
+        return PrequantizedWeight("AWQ", shape, int4, "", dequantize)

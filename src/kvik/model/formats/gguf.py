@@ -1,5 +1,6 @@
 """Read GGUF files (llama.cpp's checkpoint format): model config from the metadata, weights
-dequantized to the serving dtype at load.
+dequantized to the serving dtype at load, or the 4-bit types (Q4_0/Q4_1/Q4_K) kept as kvik's int4
+(`keep_int4`, see `kvik.model.formats.gguf_int4`).
 
 The `gguf` package (llama.cpp's own reader) parses the file and dequantizes every tensor type it
 knows (F32/F16/BF16, Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, the K-quants Q2_K..Q6_K, ...), so kvik's weights are
@@ -23,6 +24,9 @@ import numpy as np
 import torch
 
 from kvik.core.errors import ConfigError, MissingWeightsError
+from kvik.model.formats.gguf_int4 import INT4_TYPES, gguf_int4
+from kvik.model.quant.prequantized import PrequantizedWeight
+from kvik.model.quant.reference import Int4Weight
 
 logger = logging.getLogger("kvik.model")
 
@@ -133,6 +137,14 @@ def _unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return split.swapaxes(1, 2).reshape(weight.shape)
 
 
+def _unpermute_int4(q: Int4Weight, num_heads: int) -> Int4Weight:
+    """The same row permutation undone on int4 codes, scales and offsets alike."""
+    def rows(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else torch.from_numpy(np.ascontiguousarray(_unpermute_rows(t.numpy(), num_heads)))
+
+    return Int4Weight(rows(q.values), rows(q.scales), rows(q.offsets), q.group_size)
+
+
 def _hf_name_of(reader: Any, arch: str, num_layers: int, expected: set[str]) -> dict[str, str]:
     """GGUF tensor name -> HF checkpoint name, for the names the model expects."""
     import gguf
@@ -147,13 +159,22 @@ def _hf_name_of(reader: Any, arch: str, num_layers: int, expected: set[str]) -> 
     return mapping
 
 
+def gguf_prequantized_names(path: Path, raw_config: dict[str, Any], expected: set[str]) -> set[str]:
+    """HF names of the tensors `gguf_tensors(keep_int4=True)` yields as a PrequantizedWeight."""
+    reader = open_gguf(path)
+    name_map = _hf_name_of(reader, raw_config["model_type"], raw_config["num_hidden_layers"], expected)
+    return {name_map[t.name] for t in reader.tensors
+            if t.tensor_type.name in INT4_TYPES and len(t.shape) == 2 and t.name in name_map}
+
+
 def gguf_tensors(path: Path, raw_config: dict[str, Any], expected: set[str],
-                 show_progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF checkpoint name, float32 tensor) for every tensor of the file, dequantized by `gguf`.
+                 show_progress: bool = True, keep_int4: bool = False,
+                 ) -> Iterator[tuple[str, torch.Tensor | PrequantizedWeight]]:
+    """(HF checkpoint name, float32 tensor) for every tensor of the file, dequantized by `gguf`; with
+    `keep_int4`, 2-D Q4_0/Q4_1/Q4_K tensors come as a PrequantizedWeight instead.
 
     `expected` holds the HF checkpoint names the model will ask for; a GGUF tensor that maps to none
     of them is yielded under its GGUF name, so the loader reports it as unused."""
-    import gguf
     from tqdm import tqdm
 
     reader = open_gguf(path)
@@ -163,14 +184,42 @@ def gguf_tensors(path: Path, raw_config: dict[str, Any], expected: set[str],
              "attn_k": raw_config["num_key_value_heads"]}
     for tensor in tqdm(reader.tensors, desc=f"Loading {path.name}", unit="tensor",
                        disable=not show_progress, leave=False):
-        try:
-            values = gguf.dequantize(tensor.data, tensor.tensor_type)
-        except NotImplementedError as exc:
-            raise ConfigError(f"model: {path.name} tensor {tensor.name} is of type "
-                              f"{tensor.tensor_type.name}, which the gguf package cannot "
-                              "dequantize") from exc
         kind = tensor.name.split(".")[-2] if tensor.name.startswith("blk.") else ""
-        if arch in PERMUTED_QK and kind in heads:  # weights and biases alike
-            values = _unpermute_rows(values, heads[kind])
-        # A float32 tensor comes back as a read-only view of the memory-mapped file: copy it out.
-        yield name_map.get(tensor.name, tensor.name), torch.from_numpy(np.array(values, np.float32))
+        permuted_heads = heads[kind] if arch in PERMUTED_QK and kind in heads else None  # weights and biases
+        name = name_map.get(tensor.name, tensor.name)
+        type_name = tensor.tensor_type.name
+        if keep_int4 and type_name in INT4_TYPES and len(tensor.shape) == 2:
+            yield name, _prequantized(path, tensor, permuted_heads)
+        else:
+            yield name, _dequantized(path, tensor, permuted_heads)
+
+
+def _dequantized(path: Path, tensor: Any, permuted_heads: int | None) -> torch.Tensor:
+    import gguf
+
+    try:
+        values = gguf.dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError as exc:
+        raise ConfigError(f"model: {path.name} tensor {tensor.name} is of type "
+                          f"{tensor.tensor_type.name}, which the gguf package cannot "
+                          "dequantize") from exc
+    if permuted_heads is not None:
+        values = _unpermute_rows(values, permuted_heads)
+    # A float32 tensor comes back as a read-only view of the memory-mapped file: copy it out.
+    return torch.from_numpy(np.array(values, np.float32))
+
+
+def _prequantized(path: Path, tensor: Any, permuted_heads: int | None) -> PrequantizedWeight:
+    source = f"GGUF {tensor.tensor_type.name}"
+    shape = (int(tensor.shape[1]), int(tensor.shape[0]))  # GGUF lists dims innermost first
+
+    def dequantize() -> torch.Tensor:
+        return _dequantized(path, tensor, permuted_heads)
+
+    int4 = gguf_int4(tensor.data, tensor.tensor_type.name)
+    if isinstance(int4, str):
+        return PrequantizedWeight.unfit(source, shape, int4, dequantize)
+    assert int4 is not None  # INT4_TYPES are the types gguf_int4 decodes
+    if permuted_heads is not None:
+        int4 = _unpermute_int4(int4, permuted_heads)
+    return PrequantizedWeight(source, shape, int4, "", dequantize)

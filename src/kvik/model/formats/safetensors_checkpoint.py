@@ -2,8 +2,9 @@
 
 A GPTQ or AWQ checkpoint (`quantization_config.quant_method` in config.json) stores each quantized
 linear as several tensors (`qweight`, `qzeros`, `scales`, ...), possibly in different shards; they are
-gathered by module and yielded as one dequantized `<module>.weight`, so the model loads them like any
-float checkpoint. Everything else (norms, embeddings, unquantized layers, biases) passes through.
+gathered by module and yielded as one `<module>.weight`: dequantized, so the model loads them like any
+float checkpoint, or (`keep_int4`) as a `PrequantizedWeight` the loader turns into an int4 layer.
+Everything else (norms, embeddings, unquantized layers, biases) passes through.
 """
 
 from __future__ import annotations
@@ -17,10 +18,13 @@ import torch
 
 from kvik.core.errors import ConfigError, MissingWeightsError
 from kvik.model.formats import awq, gptq
+from kvik.model.quant.prequantized import PrequantizedWeight
 
 
 class PackedFormat(Protocol):
     def dequantize(self, name: str, parts: dict[str, torch.Tensor]) -> torch.Tensor: ...
+
+    def prequantized(self, name: str, parts: dict[str, torch.Tensor]) -> PrequantizedWeight: ...
 
 
 # quant_method -> (format class, every part name, the parts a quantized linear must have)
@@ -69,10 +73,21 @@ def packed_format(quantization_config: dict[str, Any]) -> tuple[PackedFormat, tu
     return cls.from_quantization_config(quantization_config), parts, required
 
 
+def prequantized_names(files: list[Path], quantization_config: dict[str, Any] | None) -> set[str]:
+    """`<module>.weight` of every packed linear: what `checkpoint_tensors(keep_int4=True)` yields as
+    a PrequantizedWeight (read from the files' headers only)."""
+    if not quantization_config:
+        return set()
+    with SafetensorsCheckpoint(files) as checkpoint:
+        return {f"{name.removesuffix('.qweight')}.weight" for name in checkpoint.names
+                if name.endswith(".qweight")}
+
+
 def checkpoint_tensors(files: list[Path], quantization_config: dict[str, Any] | None,
-                       skip: Callable[[str], bool], show_progress: bool = True,
-                       ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(checkpoint name, tensor) for each tensor the model should load, dequantized if packed."""
+                       skip: Callable[[str], bool], show_progress: bool = True, keep_int4: bool = False,
+                       ) -> Iterator[tuple[str, torch.Tensor | PrequantizedWeight]]:
+    """(checkpoint name, tensor) for each tensor the model should load, dequantized if packed, or
+    with `keep_int4` a PrequantizedWeight for each packed linear."""
     from tqdm import tqdm
 
     packed = packed_format(quantization_config) if quantization_config else None
@@ -93,7 +108,8 @@ def checkpoint_tensors(files: list[Path], quantization_config: dict[str, Any] | 
                     if absent:
                         raise MissingWeightsError(f"{prefix}: quantized linear lacks "
                                                   f"{', '.join(absent)}")
-                    yield f"{prefix}.weight", fmt.dequantize(prefix, found)
+                    yield f"{prefix}.weight", (fmt.prequantized(prefix, found) if keep_int4
+                                               else fmt.dequantize(prefix, found))
                     continue
             if skip(name):
                 continue

@@ -60,11 +60,24 @@ class Precision:
     weights: QuantScheme | None  # None: linear weights in compute_dtype
     kv_cache_dtype: torch.dtype
     native_bf16: bool = False  # CPU with bfloat16 dot products (AVX512-BF16 / AMX)
+    # Set after loading a pre-quantized checkpoint whose int4 layers were kept (CheckpointInt4.describe);
+    # `weights` then applies to the other linear layers.
+    checkpoint_int4: str | None = None
 
     def describe(self) -> str:
         weights = self.weights.describe() if self.weights else str(self.compute_dtype).removeprefix("torch.")
+        if self.checkpoint_int4:
+            weights = f"{self.checkpoint_int4}, other linear layers {weights}"
         return (f"weights {weights}, activations {str(self.compute_dtype).removeprefix('torch.')}, "
                 f"KV cache {str(self.kv_cache_dtype).removeprefix('torch.')}")
+
+
+def keeps_checkpoint_int4(dtype: str, quantization: str | None) -> bool:
+    """Whether the 4-bit layers of a pre-quantized checkpoint (GPTQ, AWQ, GGUF Q4_*) are served as int4
+    from their own codes: when the user asked for int4, or for no particular format (`--dtype auto`,
+    no `--quantization`). An explicit `--dtype` without `--quantization int4`, or `--quantization
+    int8`, dequantizes them to float first, then applies the requested format, as for a float model."""
+    return quantization == "int4" or (quantization is None and dtype == "auto")
 
 
 @functools.lru_cache(maxsize=1)

@@ -75,6 +75,9 @@ def optimize_for_inference(model: nn.Module, device: torch.device, dtype: torch.
     (default: where the CPU has bfloat16 arithmetic)."""
     name = str(dtype).removeprefix("torch.")
     report = TransformReport(str(device), name, weights.describe() if weights else name)
+    loaded_kinds = sorted({m.kind for m in model.modules() if isinstance(m, WeightOnlyLinear)})
+    if loaded_kinds:  # a pre-quantized checkpoint's layers, kept as the loader built them
+        report.weights = f"{'/'.join(loaded_kinds)} as loaded from the checkpoint, other linears {report.weights}"
     enabled = os.environ.get("KVIK_CPU_KERNELS", "1") != "0"
     cpu_float32 = device.type == "cpu" and dtype == torch.float32
     if kernels == AUTO:
