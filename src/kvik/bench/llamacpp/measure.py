@@ -150,7 +150,7 @@ def _kvik_child(gguf: str, engine_args: dict[str, Any], offline: dict[str, Any])
     from kvik import LLM, SamplingParams
 
     llm = LLM(gguf, show_progress=False, **engine_args)
-    vocab = llm.engine.model_config.vocab_size
+    vocab = llm.engine.info.vocab_size
     rng = random.Random(0)
     llm.generate([[5] * 16], SamplingParams(max_tokens=4, ignore_eos=True))  # warm up
     # Different prompts each repetition, so the prefix cache never serves one.
