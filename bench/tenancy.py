@@ -108,7 +108,7 @@ async def periodic(rate: float, seconds: float, make) -> list:  # noqa: ANN001
     return await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def tiers(server: Server, args: argparse.Namespace) -> dict:
+async def tiers(server: Server, args: argparse.Namespace, background_rate: float) -> dict:
     prompt = "hello " * 16
     interactive = {"model": "m", "prompt": prompt, "max_tokens": 8, "ignore_eos": True,
                    "priority": PRIORITY["interactive"], "tenant": "chat"}
@@ -125,7 +125,7 @@ async def tiers(server: Server, args: argparse.Namespace) -> dict:
         batch = (await client.post(f"{server.url}/v1/batches", json={
             "input_file_id": uploaded["id"], "endpoint": "/v1/completions", "completion_window": "24h"})).json()
         background_tasks = asyncio.ensure_future(periodic(
-            args.background_rate, args.seconds, lambda: client.post(f"{server.url}/v1/completions", json=background)))
+            background_rate, args.seconds, lambda: client.post(f"{server.url}/v1/completions", json=background)))
         await asyncio.sleep(2.0)  # let the queue build
         loaded = successes(await periodic(args.interactive_rate, args.seconds - 2,
                                           lambda: stream_ttft(client, server.url, interactive)))
@@ -196,7 +196,10 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=48, help="tokens per background/fairness request")
     parser.add_argument("--interactive-rate", type=float, default=2.0, help="interactive requests per second")
-    parser.add_argument("--background-rate", type=float, default=20.0, help="background requests per second")
+    parser.add_argument("--background-rate", type=float, default=None,
+                        help="background requests per second (default: --overload times the measured capacity)")
+    parser.add_argument("--overload", type=float, default=2.0,
+                        help="background load offered in the tiers phase, as a multiple of the capacity")
     parser.add_argument("--batch-lines", type=int, default=100)
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="kvik-bench-tenancy-"))
@@ -210,8 +213,12 @@ def main() -> None:
     for policy in ("fcfs", "priority"):
         server = Server(model, policy, workdir, args.max_num_seqs)
         try:
-            report[policy] = asyncio.run(tiers(server, args))
+            # Capacity first: the background tier is sized from it, so the loaded phase really offers
+            # more than the server can do on this machine, however fast it is.
             tokens_per_s = asyncio.run(capacity(server, args.max_tokens, min(10.0, args.seconds / 2)))
+            background_rate = args.background_rate or args.overload * tokens_per_s / args.max_tokens
+            report[policy] = asyncio.run(tiers(server, args, background_rate))
+            report[policy]["background_rate"] = background_rate
             report[policy].update(asyncio.run(fairness(server, args, tokens_per_s)))
             report[policy]["capacity_tok_s"] = tokens_per_s
         finally:
@@ -221,6 +228,7 @@ def main() -> None:
             ("interactive TTFT p50 loaded (s)", "loaded_p50", "{:.3f}"),
             ("interactive TTFT p99 loaded (s)", "loaded_p99", "{:.3f}"),
             ("p99 loaded / unloaded", "ratio", "{:.2f}"),
+            ("background requests offered per second", "background_rate", "{:.1f}"),
             ("background requests finished", "background", "{}"),
             ("  ... s after the load stopped", "drain_s", "{:.1f}"),
             ("batch job", "batch", "{}"),
