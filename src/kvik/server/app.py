@@ -150,7 +150,7 @@ async def _no_receive() -> Message:
     return {"type": "http.disconnect"}
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "invalid request", None
@@ -217,7 +217,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> Response:
-        message, param = _validation_message(exc)
+        message, param = validation_message(exc)
         return JSONResponse(error_body(message, "invalid_request_error", param, None), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)

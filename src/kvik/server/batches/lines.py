@@ -68,7 +68,7 @@ async def execute_line(state: ServerState, url: str, body: dict[str, Any], sched
         prepared = await prepare_completion(state, completion_body)
         streams = [tracked_generate(state, prepared.engine, p.request, p.text, p.record) for p in prepared.prompts]
         completions = servings.completions
-        return completions._response(completion_body, prepared, *await completions._collect(streams))
+        return completions.completion_body(completion_body, prepared, *await completions.collect(streams))
 
 
 def _validate(model: type, fields: dict[str, Any]) -> Any:

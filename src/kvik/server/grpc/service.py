@@ -32,7 +32,7 @@ from kvik.core import tracing
 from kvik.core.errors import AuthenticationError, InvalidRequestError, KvikError, RetryableError, ServiceUnavailableError
 from kvik.protocol.grpc import inference_pb2 as pb
 from kvik.protocol.grpc import inference_pb2_grpc as pb_grpc
-from kvik.server.app import _validation_message
+from kvik.server.app import validation_message
 from kvik.server.grpc import convert
 from kvik.server.model_pool import lease_scope
 from kvik.server.serving.chat import ChatServing
@@ -119,7 +119,7 @@ class InferenceService(pb_grpc.InferenceServicer):
                     self._authorize(context)
                     yield
                 except ValidationError as exc:
-                    message, param = _validation_message(exc)  # type: ignore[arg-type]
+                    message, param = validation_message(exc)  # type: ignore[arg-type]
                     await self._abort(context, InvalidRequestError(message, param=param))
                 except KvikError as exc:
                     await self._abort(context, exc)
@@ -207,13 +207,13 @@ class InferenceService(pb_grpc.InferenceServicer):
                        for p in prepared.prompts]
             try:
                 # The HTTP endpoint's own collection and response object.
-                choices, prompt_logprobs = await self.completions._collect(streams)
+                choices, prompt_logprobs = await self.completions.collect(streams)
             except BaseException as exc:
                 self._ended(prepared, admission, exc)
                 raise
             finally:
                 admission.release()
-            answer = self.completions._response(body, prepared, choices, prompt_logprobs)
+            answer = self.completions.completion_body(body, prepared, choices, prompt_logprobs)
             response = pb.GenerateResponse(id=answer["id"], model=answer["model"], created=answer["created"],
                                            usage=convert.usage(answer["usage"]))
             for (_, index), choice in sorted(choices.items()):

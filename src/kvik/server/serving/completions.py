@@ -39,20 +39,20 @@ class CompletionServing:
         if body.stream:
             return SSEResponse(self._stream(body, prepared, streams, admission), on_close=admission.release)
         try:
-            result = await unless_disconnected(raw, self._collect(streams))
+            result = await unless_disconnected(raw, self.collect(streams))
         except Exception as exc:
             admission.fail(getattr(exc, "http_status", 500), str(exc))
             raise
         finally:
             admission.release()
-        return JSONResponse(self._response(body, prepared, *result))
+        return JSONResponse(self.completion_body(body, prepared, *result))
 
     @staticmethod
     def _score_only(body: CompletionRequest) -> bool:
         return body.echo and body.max_tokens == 0
 
     @staticmethod
-    async def _collect(streams: list[AsyncIterator[RequestOutput]]
+    async def collect(streams: list[AsyncIterator[RequestOutput]]
                        ) -> tuple[dict[tuple[int, int], ChoiceAccumulator], dict[int, PromptLogprobs]]:
         choices: dict[tuple[int, int], ChoiceAccumulator] = {}
         prompt_logprobs: dict[int, PromptLogprobs] = {}
@@ -63,7 +63,7 @@ class CompletionServing:
                 choices.setdefault((prompt_index, delta.index), ChoiceAccumulator()).add(delta)
         return choices, prompt_logprobs
 
-    def _response(self, body: CompletionRequest, prepared: PreparedRequest,
+    def completion_body(self, body: CompletionRequest, prepared: PreparedRequest,
                   choices: dict[tuple[int, int], ChoiceAccumulator],
                   prompt_logprobs: dict[int, PromptLogprobs]) -> dict[str, Any]:
         score_only = self._score_only(body)
