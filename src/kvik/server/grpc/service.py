@@ -22,7 +22,7 @@ import contextlib
 import hmac
 import logging
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import grpc
@@ -151,13 +151,22 @@ class InferenceService(pb_grpc.InferenceServicer):
             logger.error("gRPC call failed: %s", exc.message)
         await context.abort(code, exc.message, trailing_metadata=error_metadata(exc))
 
-    @staticmethod
-    def _admission(state: ServerState, prepared: PreparedRequest, endpoint: str, stream: bool) -> Admission:
-        return Admission(state, prepared.num_sequences, request_id=prepared.request_id, endpoint=endpoint,
-                         model=prepared.model, arrival=prepared.arrival,
-                         records=[p.record for p in prepared.prompts], stream=stream,
-                         prompt=[p.text for p in prepared.prompts] if endpoint == "completions"
-                         else prepared.prompts[0].text)
+    @contextlib.contextmanager
+    def _admitted(self, prepared: PreparedRequest, endpoint: str, stream: bool) -> Iterator[Admission]:
+        """Capacity for the call's sequences, held until it ends; a call that fails or is cancelled
+        is logged with its real status."""
+        admission = Admission(self.state, prepared.num_sequences, request_id=prepared.request_id,
+                              endpoint=endpoint, model=prepared.model, arrival=prepared.arrival,
+                              records=[p.record for p in prepared.prompts], stream=stream,
+                              prompt=[p.text for p in prepared.prompts] if endpoint == "completions"
+                              else prepared.prompts[0].text)
+        try:
+            yield admission
+        except BaseException as exc:
+            self._ended(prepared, admission, exc)
+            raise
+        finally:
+            admission.release()
 
     # -- chat --
 
@@ -166,15 +175,9 @@ class InferenceService(pb_grpc.InferenceServicer):
             body = convert.chat_request(request, stream=False)
             prepared = await prepare_chat(self.state, body)
             prompt = prepared.prompts[0]
-            admission = self._admission(self.state, prepared, "chat", False)
-            try:
+            with self._admitted(prepared, "chat", False):
                 choices = await ChatServing.collect(
                     tracked_generate(self.state, prepared.engine, prompt.request, prompt.text, prompt.record))
-            except BaseException as exc:
-                self._ended(prepared, admission, exc)
-                raise
-            finally:
-                admission.release()
             return convert.chat_response(ChatServing.completion_body(body, prepared, choices))
         raise AssertionError("unreachable: _call aborts or returns")  # pragma: no cover
 
@@ -184,16 +187,10 @@ class InferenceService(pb_grpc.InferenceServicer):
             body = convert.chat_request(request, stream=True)
             prepared = await prepare_chat(self.state, body)
             prompt = prepared.prompts[0]
-            admission = self._admission(self.state, prepared, "chat", True)
-            try:
+            with self._admitted(prepared, "chat", True):
                 stream = tracked_generate(self.state, prepared.engine, prompt.request, prompt.text, prompt.record)
                 async for chunk in ChatServing.chunk_stream(body, prepared, stream):
                     yield convert.chat_stream_response(chunk)
-            except BaseException as exc:
-                self._ended(prepared, admission, exc)
-                raise
-            finally:
-                admission.release()
 
     # -- generate --
 
@@ -202,17 +199,11 @@ class InferenceService(pb_grpc.InferenceServicer):
         async with self._call(context, "Generate"):
             body = convert.completion_request(request, stream=False)
             prepared = await prepare_completion(self.state, body)
-            admission = self._admission(self.state, prepared, "completions", False)
-            streams = [tracked_generate(self.state, prepared.engine, p.request, p.text, p.record)
-                       for p in prepared.prompts]
-            try:
+            with self._admitted(prepared, "completions", False):
+                streams = [tracked_generate(self.state, prepared.engine, p.request, p.text, p.record)
+                           for p in prepared.prompts]
                 # The HTTP endpoint's own collection and response object.
                 choices, prompt_logprobs = await self.completions.collect(streams)
-            except BaseException as exc:
-                self._ended(prepared, admission, exc)
-                raise
-            finally:
-                admission.release()
             answer = self.completions.completion_body(body, prepared, choices, prompt_logprobs)
             response = pb.GenerateResponse(id=answer["id"], model=answer["model"], created=answer["created"],
                                            usage=convert.usage(answer["usage"]))
@@ -229,10 +220,9 @@ class InferenceService(pb_grpc.InferenceServicer):
         async with self._call(context, "GenerateStream"):
             body = convert.completion_request(request, stream=True)
             prepared = await prepare_completion(self.state, body)
-            admission = self._admission(self.state, prepared, "completions", True)
             header = {"id": prepared.request_id, "model": prepared.model, "created": int(prepared.arrival)}
             records = [p.record for p in prepared.prompts]
-            try:
+            with self._admitted(prepared, "completions", True):
                 streams = [tracked_generate(self.state, prepared.engine, p.request, p.text, p.record)
                            for p in prepared.prompts]
                 async for _, output in merged(streams):
@@ -243,11 +233,6 @@ class InferenceService(pb_grpc.InferenceServicer):
                     if choices:
                         yield pb.GenerateStreamResponse(**header, choices=choices)
                 yield pb.GenerateStreamResponse(**header, usage=convert.usage(records_usage(records)))
-            except BaseException as exc:
-                self._ended(prepared, admission, exc)
-                raise
-            finally:
-                admission.release()
 
 
 def _cancel(task: asyncio.Task[Any] | None) -> None:
