@@ -10,7 +10,11 @@ one run, on real `kvik serve` processes (one per policy, same model and flags).
    capacity (measured first with a saturating closed loop). Reported: B's share of the tokens served
    and B's tokens served over B's tokens asked for.
 
-    python bench/tenancy.py                       # a tiny random model kvik writes itself
+The interactive probes run in this process; every other load runs in a child process of its own, so
+that a load generator's own event-loop lag never counts as the server's.
+
+    python bench/tenancy.py                       # the 125M reference model (random weights) kvik writes
+    python bench/tenancy.py --model-size tiny     # a model so cheap that the API server is the bottleneck
     python bench/tenancy.py --model DIR --seconds 60
 """
 
@@ -20,6 +24,7 @@ import argparse
 import asyncio
 import io
 import json
+import multiprocessing
 import os
 import signal
 import socket
@@ -108,30 +113,91 @@ async def periodic(rate: float, seconds: float, make) -> list:  # noqa: ANN001
     return await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def tiers(server: Server, args: argparse.Namespace, background_rate: float) -> dict:
+def offer_process(url: str, body: dict, rate: float, seconds: float, drain: bool, results) -> None:  # noqa: ANN001
+    """Open-loop load in its own process: a POST every 1/rate s for `seconds`. A generator sharing the
+    interactive probes' event loop adds its own lag (hundreds of requests a second) to every probe, and
+    may not even manage to offer the rate. With `drain`, waits for every request to end; without, what
+    is still running at the end of the window is cancelled (the client leaves). Puts (requests sent,
+    requests that succeeded, completion tokens received within the window) on `results`."""
+
+    async def run() -> tuple[int, int, int, dict[str, int]]:
+        sent = served = ok = 0
+        failures: dict[str, int] = {}
+        end = time.perf_counter() + seconds
+
+        async def one(client: httpx.AsyncClient) -> None:
+            nonlocal sent, served, ok
+            sent += 1
+            try:
+                response = await client.post(url, json=body)
+            except httpx.HTTPError as exc:
+                failures[type(exc).__name__] = failures.get(type(exc).__name__, 0) + 1
+                return
+            if response.status_code != 200:
+                failures[str(response.status_code)] = failures.get(str(response.status_code), 0) + 1
+            else:
+                ok += 1
+                if time.perf_counter() <= end:
+                    served += response.json()["usage"]["completion_tokens"]
+
+        async with httpx.AsyncClient(timeout=3600, limits=httpx.Limits(max_connections=None)) as client:
+            work = asyncio.ensure_future(periodic(rate, seconds, lambda: one(client)))
+            if not drain:
+                await asyncio.sleep(seconds)
+                for task in asyncio.all_tasks():
+                    if task is not asyncio.current_task():
+                        task.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+        return sent, ok, served, failures
+
+    results.put(asyncio.run(run()))
+
+
+class Offered:
+    """`offer_process` started now in a child process; `result()` waits for its numbers."""
+
+    def __init__(self, url: str, body: dict, rate: float, seconds: float, drain: bool) -> None:
+        context = multiprocessing.get_context("spawn")
+        self.results = context.Queue()
+        self.process = context.Process(target=offer_process, daemon=True,
+                                       args=(url, body, rate, seconds, drain, self.results))
+        self.process.start()
+
+    async def result(self) -> tuple[int, int, int, dict[str, int]]:
+        outcome = await asyncio.to_thread(self.results.get, True, 3600)
+        self.process.join(60)
+        return outcome
+
+
+async def tiers(server: Server, args: argparse.Namespace, background_rate: float, batch_lines: int) -> dict:
     prompt = "hello " * 16
-    interactive = {"model": "m", "prompt": prompt, "max_tokens": 8, "ignore_eos": True,
+    interactive = {"model": "m", "prompt": "hello " * args.interactive_prompt_words, "max_tokens": 8, "ignore_eos": True,
                    "priority": PRIORITY["interactive"], "tenant": "chat"}
     background = {"model": "m", "prompt": prompt * 4, "max_tokens": args.max_tokens, "ignore_eos": True,
                   "priority": PRIORITY["background"], "tenant": "bulk"}
     async with httpx.AsyncClient(timeout=3600, limits=httpx.Limits(max_connections=None)) as client:
+        # Warm-up, not measured: the first requests of each shape pay one-time costs (allocations,
+        # the tokenizer's caches, the HTTP connections) that are no part of either TTFT.
+        for _ in range(3):
+            await stream_ttft(client, server.url, interactive)
+            await client.post(f"{server.url}/v1/completions", json=background)
         unloaded = successes(await periodic(args.interactive_rate, args.seconds / 2,
                                             lambda: stream_ttft(client, server.url, interactive)))
         lines = [{"custom_id": f"l{i}", "method": "POST", "url": "/v1/completions",
-                  "body": {**background, "tenant": None, "priority": 0}} for i in range(args.batch_lines)]
+                  "body": {**background, "tenant": None, "priority": 0}} for i in range(batch_lines)]
         content = ("\n".join(json.dumps(line) for line in lines) + "\n").encode()
         uploaded = (await client.post(f"{server.url}/v1/files", data={"purpose": "batch"},
                                       files={"file": ("in.jsonl", io.BytesIO(content))})).json()
         batch = (await client.post(f"{server.url}/v1/batches", json={
             "input_file_id": uploaded["id"], "endpoint": "/v1/completions", "completion_window": "24h"})).json()
-        background_tasks = asyncio.ensure_future(periodic(
-            background_rate, args.seconds, lambda: client.post(f"{server.url}/v1/completions", json=background)))
-        await asyncio.sleep(2.0)  # let the queue build
+        offered = Offered(f"{server.url}/v1/completions", background, background_rate, args.seconds, drain=True)
+        await asyncio.sleep(2.0)  # let the queue build (and the child start)
         loaded = successes(await periodic(args.interactive_rate, args.seconds - 2,
                                           lambda: stream_ttft(client, server.url, interactive)))
         load_stopped = time.perf_counter()
-        results = await background_tasks
-        finished = sum(1 for r in results if isinstance(r, httpx.Response) and r.status_code == 200)
+        sent, finished, _, failures = await offered.result()
+        if failures:
+            print(f"  background requests that failed: {failures}", file=sys.stderr)
         drain_s = time.perf_counter() - load_stopped
         while True:
             state = (await client.get(f"{server.url}/v1/batches/{batch['id']}")).json()
@@ -142,7 +208,7 @@ async def tiers(server: Server, args: argparse.Namespace, background_rate: float
     p99_unloaded, p99_loaded = percentile(unloaded, 0.99), percentile(loaded, 0.99)
     return {"unloaded_p50": statistics.median(unloaded), "unloaded_p99": p99_unloaded,
             "loaded_p50": statistics.median(loaded), "loaded_p99": p99_loaded, "ratio": p99_loaded / p99_unloaded,
-            "interactive": len(loaded), "background": f"{finished}/{len(results)}", "drain_s": drain_s,
+            "interactive": len(loaded), "background": f"{finished}/{sent}", "drain_s": drain_s,
             "batch": f"{state['status']} {state['request_counts']['completed']}/{state['request_counts']['total']}",
             "batch_drain_s": batch_drain_s}
 
@@ -165,49 +231,46 @@ async def capacity(server: Server, max_tokens: int, seconds: float) -> float:
 
 async def fairness(server: Server, args: argparse.Namespace, tokens_per_s: float) -> dict:
     rate_b = 0.6 * tokens_per_s / args.max_tokens
-    served = {"A": 0, "B": 0}
-    asked = {"A": 0, "B": 0}
-    end = time.perf_counter() + args.seconds
-    async with httpx.AsyncClient(timeout=3600, limits=httpx.Limits(max_connections=None)) as client:
-        async def one(tenant: str) -> None:
-            asked[tenant] += args.max_tokens
-            response = await client.post(f"{server.url}/v1/completions", json={
-                "model": "m", "prompt": f"tenant {tenant}", "max_tokens": args.max_tokens, "ignore_eos": True,
-                "tenant": tenant})
-            if time.perf_counter() <= end:  # count what was served within the window
-                served[tenant] += response.json()["usage"]["completion_tokens"]
-
-        tasks = [periodic(10 * rate_b, args.seconds, lambda: one("A")), periodic(rate_b, args.seconds, lambda: one("B"))]
-        gathered = asyncio.gather(*tasks)
-        await asyncio.sleep(args.seconds)
-        for task in asyncio.all_tasks():  # what is still queued after the window is not counted
-            if task is not asyncio.current_task() and task is not gathered:
-                task.cancel()
-        await asyncio.gather(gathered, return_exceptions=True)
+    body = {"model": "m", "max_tokens": args.max_tokens, "ignore_eos": True}
+    url = f"{server.url}/v1/completions"
+    loads = {tenant: Offered(url, {**body, "prompt": f"tenant {tenant}", "tenant": tenant}, rate, args.seconds,
+                             drain=False)
+             for tenant, rate in (("A", 10 * rate_b), ("B", rate_b))}
+    outcome = {tenant: await load.result() for tenant, load in loads.items()}
+    served = {tenant: tokens for tenant, (_, _, tokens, _) in outcome.items()}
+    asked_b = outcome["B"][0] * args.max_tokens
     total = served["A"] + served["B"]
-    return {"b_share": served["B"] / total if total else 0.0, "b_served_over_asked": served["B"] / max(1, asked["B"]),
+    return {"b_share": served["B"] / total if total else 0.0, "b_served_over_asked": served["B"] / max(1, asked_b),
             "rate_b": rate_b, "tokens": total}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="model directory (default: a tiny random model)")
+    parser.add_argument("--model", default=None,
+                        help="model directory (default: a random model kvik writes, of --model-size)")
+    parser.add_argument("--model-size", default="bench", choices=("tiny", "small", "bench"),
+                        help="bench (default): the 125M reference model, where the engine is the bottleneck, "
+                             "as with any real model; tiny: a model so cheap that the API server is")
     parser.add_argument("--seconds", type=float, default=20.0, help="length of each measured phase")
     parser.add_argument("--max-num-seqs", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=48, help="tokens per background/fairness request")
-    parser.add_argument("--interactive-rate", type=float, default=2.0, help="interactive requests per second")
+    parser.add_argument("--interactive-rate", type=float, default=4.0, help="interactive requests per second")
+    parser.add_argument("--interactive-prompt-words", type=int, default=16,
+                        help="words in an interactive prompt (a chat with a system prompt and history has hundreds)")
     parser.add_argument("--background-rate", type=float, default=None,
                         help="background requests per second (default: --overload times the measured capacity)")
     parser.add_argument("--overload", type=float, default=2.0,
                         help="background load offered in the tiers phase, as a multiple of the capacity")
-    parser.add_argument("--batch-lines", type=int, default=100)
+    parser.add_argument("--batch-lines", type=int, default=None,
+                        help="lines of the Batch API job (default: the capacity of one phase, so that it "
+                             "runs all through the loaded phase)")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="kvik-bench-tenancy-"))
     model = args.model
     if model is None:
-        subprocess.run([sys.executable, "-m", "kvik.cli.main", "make-model", str(workdir / "tiny"), "--arch",
-                        "llama", "--size", "tiny"], check=True, capture_output=True)
-        model = str(workdir / "tiny")
+        model = str(workdir / args.model_size)
+        subprocess.run([sys.executable, "-m", "kvik.cli.main", "make-model", model, "--arch", "llama",
+                        "--size", args.model_size], check=True, capture_output=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     report = {}
     for policy in ("fcfs", "priority"):
@@ -217,7 +280,8 @@ def main() -> None:
             # more than the server can do on this machine, however fast it is.
             tokens_per_s = asyncio.run(capacity(server, args.max_tokens, min(10.0, args.seconds / 2)))
             background_rate = args.background_rate or args.overload * tokens_per_s / args.max_tokens
-            report[policy] = asyncio.run(tiers(server, args, background_rate))
+            batch_lines = args.batch_lines or max(10, int(tokens_per_s * args.seconds / args.max_tokens))
+            report[policy] = asyncio.run(tiers(server, args, background_rate, batch_lines))
             report[policy]["background_rate"] = background_rate
             report[policy].update(asyncio.run(fairness(server, args, tokens_per_s)))
             report[policy]["capacity_tok_s"] = tokens_per_s
@@ -239,7 +303,7 @@ def main() -> None:
     print(f"{'':48} {'fcfs':>14} {'priority':>14}")
     for label, key, fmt in rows:
         print(f"{label:48} {fmt.format(report['fcfs'][key]):>14} {fmt.format(report['priority'][key]):>14}")
-    print(f"\n(workdir {workdir}; max_num_seqs {args.max_num_seqs}, {args.seconds:.0f} s phases)")
+    print(f"\n(workdir {workdir}; model {model}; max_num_seqs {args.max_num_seqs}, {args.seconds:.0f} s phases)")
 
 
 if __name__ == "__main__":
