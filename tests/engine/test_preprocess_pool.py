@@ -53,3 +53,18 @@ def test_worker_refuses_a_rendered_conversation_with_no_room(pool):
     with pytest.raises(ContextLengthExceededError, match="in the messages"):
         asyncio.run(pool.render(messages, add_generation_prompt=True, template=None, tools=None,
                                 template_kwargs={}, reserve_tokens=room + 1))
+
+
+def test_a_json_body_parsed_in_a_worker_equals_json_loads_and_fails_the_same_way(pool):
+    import json
+
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "é ✓ " * 100_000}]}).encode()
+    assert asyncio.run(pool.parse_json(body)).value == json.loads(body)
+    broken = body[:-2] + b",}"
+    parsed = asyncio.run(pool.parse_json(broken))
+    with pytest.raises(json.JSONDecodeError) as expected:
+        json.loads(broken)
+    assert parsed.value is None and parsed.error == (expected.value.msg, expected.value.pos)
+    # Not UTF-8, and nested past the parser's recursion limit: reported, not raised in the worker.
+    assert "UnicodeDecodeError" in asyncio.run(pool.parse_json(b'{"a": "\xff\xfe"}')).failure
+    assert "RecursionError" in asyncio.run(pool.parse_json(b"[" * 200_000 + b"]" * 200_000)).failure

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import logging
 import resource
 from dataclasses import dataclass
@@ -43,6 +44,15 @@ class PreprocessConfig:
 class RenderedPrompt:
     text: str
     token_ids: list[int]
+
+
+@dataclass(slots=True)
+class ParsedBody:
+    """A JSON request body parsed in a worker: the value, or why it is not JSON."""
+
+    value: Any = None
+    error: tuple[str, int] | None = None  # json.JSONDecodeError's message and position
+    failure: str | None = None  # any other reason (nested too deep, not UTF-8)
 
 
 # -- in the worker process --
@@ -101,6 +111,17 @@ def _render_job(messages: list[dict[str, Any]], add_generation_prompt: bool, tem
         release_freed_memory()
 
 
+def _parse_json_job(body: bytes) -> ParsedBody:
+    try:
+        return ParsedBody(json.loads(body))
+    except json.JSONDecodeError as exc:  # not pickled as is: it would carry the whole body back
+        return ParsedBody(error=(exc.msg, exc.pos))
+    except (ValueError, RecursionError) as exc:
+        return ParsedBody(failure=f"{type(exc).__name__}: {str(exc)[:200]}")
+    finally:
+        release_freed_memory()
+
+
 def _tokenize_job(texts: list[str], add_special_tokens: bool, reserve_tokens: int | None) -> list[list[int]]:
     try:
         return [_check_length(_worker_tokenizer.encode(text, add_special_tokens=add_special_tokens), "prompt",
@@ -137,6 +158,10 @@ class PreprocessPool:
         future = self._pool.schedule(_tokenize_job, (texts, add_special_tokens, reserve_tokens),
                                      timeout=self.config.timeout)
         return await self._result(future, "tokenizing the prompt", "prompt")
+
+    async def parse_json(self, body: bytes) -> ParsedBody:
+        future = self._pool.schedule(_parse_json_job, (body,), timeout=self.config.timeout)
+        return await self._result(future, "parsing the JSON body", "body")
 
     async def _result(self, future: Any, what: str, param: str) -> Any:
         from pebble import ProcessExpired

@@ -25,6 +25,7 @@ from kvik.core.memory import release_freed_memory
 from kvik.protocol.errors import error_body, error_from_exception
 from kvik.server.batches.lines import LineServings
 from kvik.server.batches.service import BatchService
+from kvik.server.json_body import PARSED_BODY_KEY, WORKER_PARSE_BYTES, is_json
 from kvik.server.model_pool import lease_scope
 from kvik.server.routes import batches, generation, lora, models, ops, pooling, responses_api, tokenize
 from kvik.server.serving.chat import ChatServing
@@ -64,7 +65,8 @@ class RequestGate:
         # Batch input files may be larger than a request (the file's own limit is checked on upload).
         limit = max(config.max_body_bytes, config.batch.max_file_bytes + 2**16) \
             if scope["path"] == "/v1/files" else config.max_body_bytes
-        declared = dict(scope.get("headers") or []).get(b"content-length")
+        headers = dict(scope.get("headers") or [])
+        declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             await _send_error(send, RequestTooLargeError(
                 f"request body is {int(declared)} bytes; the limit is {limit}"))
@@ -82,6 +84,14 @@ class RequestGate:
                 return
             if body is None:  # the client left while sending
                 return
+            if len(body) > WORKER_PARSE_BYTES and scope["method"] == "POST" and is_json(headers):
+                pool = self.state.preprocess_pool()
+                if pool is not None:
+                    try:
+                        scope[PARSED_BODY_KEY] = await pool.parse_json(body)
+                    except KvikError as exc:
+                        await _send_error(send, exc)
+                        return
             with lease_scope():  # models the request used stay loaded until its last byte is sent
                 await self.app(scope, _replay(body, receive), self._mark_draining(send))
             if len(body) > LARGE_BODY_BYTES:
@@ -175,7 +185,8 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def create_app(state: ServerState) -> FastAPI:
-    def check_api_key(request: Request) -> None:
+    # async: FastAPI runs a plain `def` dependency on its thread pool, a thread hop per request.
+    async def check_api_key(request: Request) -> None:
         expected = state.config.api_key
         if expected is None:
             return

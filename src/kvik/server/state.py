@@ -19,6 +19,7 @@ from kvik.core.errors import InvalidRequestError, ModelNotFoundError, ServiceUna
 from kvik.core.tiers import DEFAULT_TIERS
 from kvik.engine.async_llm import AsyncLLM, EngineDeadError
 from kvik.engine.messages import EngineStats, LoRAAdapterInfo
+from kvik.engine.preprocess_pool import PreprocessPool
 from kvik.server.batches.config import BatchConfig
 from kvik.server.metrics import ServerMetrics
 from kvik.server.model_pool import ModelPool
@@ -108,6 +109,12 @@ class ServerState:
     def shutting_down(self) -> bool:
         """Announcing a drain or draining: /health is 503 and responses carry `x-kvik-draining`."""
         return self.drain_announced or self.draining
+
+    def preprocess_pool(self) -> PreprocessPool | None:
+        """A loaded engine's worker pool, for work that needs no model (parsing large JSON bodies)."""
+        engines = [self.engine] if self.engine is not None else \
+            [m.engine for m in self.models.loaded()] if self.models is not None else []
+        return next((engine.pool for engine in engines if engine is not None and engine.pool is not None), None)
 
     @property
     def engine_dead(self) -> bool:

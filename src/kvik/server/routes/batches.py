@@ -14,9 +14,10 @@ from fastapi.responses import Response
 
 from kvik.core.errors import InvalidRequestError
 from kvik.server.batches.service import BatchService, Caller, caller_from_headers, file_object
+from kvik.server.json_body import ParsedBodyRoute
 from kvik.server.routes.responses import ERROR_RESPONSES
 
-router = APIRouter()
+router = APIRouter(route_class=ParsedBodyRoute)
 
 
 def _service(request: Request) -> tuple[BatchService, Caller]:

@@ -16,14 +16,15 @@ from fastapi import APIRouter, Request
 
 from kvik.core.errors import (AuthenticationError, ConflictError, InvalidRequestError, PermissionDeniedError)
 from kvik.protocol.openai import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+from kvik.server.json_body import ParsedBodyRoute
 from kvik.server.routes.models import model_card
 from kvik.server.routes.responses import ERROR_RESPONSES
 from kvik.server.state import ServerState
 
-router = APIRouter()
+router = APIRouter(route_class=ParsedBodyRoute)
 
 
-def check_admin_key(request: Request) -> None:
+async def check_admin_key(request: Request) -> None:  # async: no thread-pool hop
     state: ServerState = request.app.state.server
     expected = state.config.admin_api_key
     if expected is None:

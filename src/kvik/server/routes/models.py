@@ -6,10 +6,11 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from kvik.server.json_body import ParsedBodyRoute
 from kvik.server.routes.responses import ERROR_RESPONSES
 from kvik.server.state import ServerState
 
-router = APIRouter()
+router = APIRouter(route_class=ParsedBodyRoute)
 
 
 def model_card(state: ServerState, name: str) -> dict[str, Any]:

@@ -6,9 +6,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from kvik.server.json_body import ParsedBodyRoute
 from kvik.server.state import DRAIN_HEADER, ServerState
 
-router = APIRouter()
+router = APIRouter(route_class=ParsedBodyRoute)
 
 
 @router.get("/health", summary="200 when ready; 503 while loading, draining or when the engine died")

@@ -6,9 +6,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from kvik.protocol.pooling import ClassifyRequest, EmbeddingRequest
+from kvik.server.json_body import ParsedBodyRoute
 from kvik.server.routes.responses import ERROR_RESPONSES
 
-router = APIRouter()
+router = APIRouter(route_class=ParsedBodyRoute)
 
 
 @router.post("/v1/embeddings", responses=ERROR_RESPONSES, summary="Create embeddings")

@@ -8,9 +8,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from kvik.protocol.responses import ResponsesRequest
+from kvik.server.json_body import ParsedBodyRoute
 from kvik.server.routes.responses import ERROR_RESPONSES, GENERATION_RESPONSES
 
-router = APIRouter()
+router = APIRouter(route_class=ParsedBodyRoute)
 
 
 @router.post("/v1/responses", responses={**ERROR_RESPONSES, **GENERATION_RESPONSES},

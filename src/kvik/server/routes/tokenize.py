@@ -8,11 +8,12 @@ from fastapi import APIRouter, Request
 
 from kvik.core.errors import InvalidRequestError
 from kvik.protocol.openai import DetokenizeRequest, TokenizeRequest
+from kvik.server.json_body import ParsedBodyRoute
 from kvik.server.routes.responses import ERROR_RESPONSES
 from kvik.server.serving.preprocess import messages_for_template
 from kvik.server.state import ServerState
 
-router = APIRouter()
+router = APIRouter(route_class=ParsedBodyRoute)
 
 
 @router.post("/tokenize", responses=ERROR_RESPONSES, summary="Tokenize a prompt or chat messages")
