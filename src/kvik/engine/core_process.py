@@ -27,6 +27,7 @@ import zmq
 
 from kvik.core.config import EngineArgs
 from kvik.core.errors import KvikError
+from kvik.core.memory import freeze_startup_objects
 from kvik.engine.messages import (AbortRequests, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
                                   Shutdown, StartupFailed, UtilityCall, UtilityResult, input_decoder)
 
@@ -57,6 +58,7 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str,
         outputs.close(linger=2000)
         inputs.close(linger=0)
         return
+    freeze_startup_objects()
     outputs.send(encoder.encode(core.info()))
     try:
         EngineCoreLoop(core, inputs, outputs, encoder, parent_pid).run()

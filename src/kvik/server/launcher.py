@@ -23,6 +23,7 @@ import uvicorn
 
 from kvik.core.config import EngineArgs
 from kvik.core.errors import ConfigError, KvikError
+from kvik.core.memory import freeze_startup_objects
 from kvik.engine.async_llm import AsyncLLM
 from kvik.engine.core_client import EngineStartError
 from kvik.engine.preprocess_pool import PreprocessConfig
@@ -109,6 +110,7 @@ class EngineServer(uvicorn.Server):
                     parsers.reasoning.name if parsers.reasoning else "none")
         logger.info("ready in %.1fs: %s, max_model_len %d, %d KV blocks", time.perf_counter() - started,
                     info.architecture, info.max_model_len, info.num_kv_blocks)
+        freeze_startup_objects()
 
     async def _start_pool(self) -> None:
         """Several models: load the first now (so ready means something can be served); the others
@@ -123,6 +125,7 @@ class EngineServer(uvicorn.Server):
         state.ready = True
         logger.info("ready in %.1fs: serving %s (%s loaded)", time.perf_counter() - started,
                     ", ".join(state.models.names), first)
+        freeze_startup_objects()
 
     def _start_failed(self, exc: KvikError) -> None:
         """Start-up failed: /health says why (503) until the server exits with status 1."""
