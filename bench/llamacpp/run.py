@@ -23,7 +23,7 @@ def main(argv: list[str]) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--llamacpp-dir", required=True, type=Path, help="the llama.cpp tree build.sh made")
-    parser.add_argument("--pairs", default=None, help="comma-separated pair names (default: f32 vs f32)")
+    parser.add_argument("--pairs", default=None, help="comma-separated pair names (default: bf16 vs f16, int8 vs q8_0, int4 vs q4_0)")
     parser.add_argument("--pairs-file", default=None, help="JSON list of {name, gguf, kvik} pairs")
     parser.add_argument("--models", default="reference,smollm2", help="reference and/or smollm2")
     parser.add_argument("--out", default="bench-results/llamacpp", type=Path)
