@@ -47,14 +47,16 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, model: str, policy: str, workdir: Path, max_num_seqs: int) -> None:
+    def __init__(self, model: str, policy: str, workdir: Path, max_num_seqs: int,
+                 max_num_batched_tokens: int | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(workdir / f"server-{policy}.log", "wb")  # noqa: SIM115
         self.process = subprocess.Popen(
             [sys.executable, "-m", "kvik.cli.main", "serve", "--model", model, "--port", str(self.port),
              "--served-model-name", "m", "--max-model-len", "1024", "--max-num-seqs", str(max_num_seqs),
-             "--max-waiting", "100000", "--scheduling-policy", policy, "--batch-db", str(workdir / f"{policy}.db")],
+             "--max-waiting", "100000", "--scheduling-policy", policy, "--batch-db", str(workdir / f"{policy}.db"),
+             *(["--max-num-batched-tokens", str(max_num_batched_tokens)] if max_num_batched_tokens else [])],
             stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
@@ -253,6 +255,9 @@ def main() -> None:
                              "as with any real model; tiny: a model so cheap that the API server is")
     parser.add_argument("--seconds", type=float, default=20.0, help="length of each measured phase")
     parser.add_argument("--max-num-seqs", type=int, default=4)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="the servers' per-step token budget (a smaller one bounds how long a step holding "
+                             "background prefill makes an arriving interactive request wait)")
     parser.add_argument("--max-tokens", type=int, default=48, help="tokens per background/fairness request")
     parser.add_argument("--interactive-rate", type=float, default=4.0, help="interactive requests per second")
     parser.add_argument("--interactive-prompt-words", type=int, default=16,
@@ -274,7 +279,7 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     report = {}
     for policy in ("fcfs", "priority"):
-        server = Server(model, policy, workdir, args.max_num_seqs)
+        server = Server(model, policy, workdir, args.max_num_seqs, args.max_num_batched_tokens)
         try:
             # Capacity first: the background tier is sized from it, so the loaded phase really offers
             # more than the server can do on this machine, however fast it is.
@@ -303,7 +308,8 @@ def main() -> None:
     print(f"{'':48} {'fcfs':>14} {'priority':>14}")
     for label, key, fmt in rows:
         print(f"{label:48} {fmt.format(report['fcfs'][key]):>14} {fmt.format(report['priority'][key]):>14}")
-    print(f"\n(workdir {workdir}; model {model}; max_num_seqs {args.max_num_seqs}, {args.seconds:.0f} s phases)")
+    print(f"\n(workdir {workdir}; model {model}; max_num_seqs {args.max_num_seqs}, "
+          f"max_num_batched_tokens {args.max_num_batched_tokens or 'default'}, {args.seconds:.0f} s phases)")
 
 
 if __name__ == "__main__":
