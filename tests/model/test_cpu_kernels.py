@@ -52,9 +52,12 @@ def test_packed_gemv_matches_linear(kernels, out_features, in_features, bias):
     packed = OneDNNLinear(linear)
     assert packed.enable_gemv(kernels, layout)
     with torch.inference_mode():
-        for rows in (1, 2, 3, 4, 5, 9):  # 5 and 9 rows take oneDNN's path
+        for rows in (1, 2, 3, 4, 5, 7, 8, 9, 13):  # past GEMV_MAX_ROWS (8), oneDNN's path
             x = torch.randn(rows, in_features)
             assert torch.allclose(packed(x), linear(x), rtol=1e-4, atol=1e-4)
+            # The kernel itself at any row count: passes of four rows over each block.
+            got = kernels.gemv_packed(x, *packed._gemv_args, packed.bias)
+            assert torch.allclose(got, linear(x), rtol=1e-4, atol=1e-4), rows
         x = torch.randn(2, 1, in_features)  # any leading shape
         assert packed(x).shape == (2, 1, out_features)
 

@@ -1,4 +1,4 @@
-"""The compiled decode stack as a wrapper module: steps of 1-4 decodes run every layer in one call.
+"""The compiled decode stack as a wrapper module: steps of 1-8 decodes run every layer in one call.
 
 Such steps stream the weights at memory speed, and the Python between the layers' kernels is most of
 the rest (csrc/decode_stack_cpu.cpp). The wrapper takes the place of a Llama-family model's
@@ -17,11 +17,12 @@ from torch import nn
 from kvik.model.layers.attention import AttentionMetadata
 from kvik.model.models.llama import LlamaForCausalLM, LlamaModel
 from kvik.model.transforms.cpu_modules import CpuPagedAttention, FusedLlamaAttention, FusedLlamaMLP
+from kvik.model.transforms.onednn_linear import GEMV_MAX_ROWS
 
 logger = logging.getLogger("kvik.model")
 
-# The stack's projections run the small-batch kernels, written for up to four rows.
-DECODE_STACK_MAX_ROWS = 4
+# The stack's projections run the small-batch kernels; GEMV_MAX_ROWS is where they stop paying.
+DECODE_STACK_MAX_ROWS = GEMV_MAX_ROWS
 
 
 class DecodeStackModel(nn.Module):

@@ -5,7 +5,7 @@ GEMMs of decoding 1.3-1.8x faster than the default BLAS path (M=16..64 rows: ~19
 against ~80-165), and large prefill GEMMs a little faster too. Packing happens once after loading;
 the dense weights are released unless something else (a tied embedding) still holds them.
 
-For 1-4 rows (decoding a single sequence or a few) a compiled matrix-vector kernel reads the same
+For 1-8 rows (decoding a single sequence or a few) a compiled matrix-vector kernel reads the same
 packed weights at close to the machine's streaming bandwidth, where oneDNN's small-M kernels reach
 60-70 % of it; it is used only where the packed layout was checked to be the one it reads.
 """
@@ -30,8 +30,11 @@ PACKING_BATCH_HINT = 16
 # compiled GEMV below is not there to take them.
 MIN_ROWS = 6
 # Up to this many rows the compiled matrix-vector kernel runs instead (csrc/gemv_cpu.cpp): measured
-# 31-33 GB/s against oneDNN's 19-28 at 1-4 rows, on the same weights.
-GEMV_MAX_ROWS = 4
+# 31-33 GB/s against oneDNN's 19-28 at 1-4 rows, on the same weights. Past four rows it makes a
+# second pass over each block from cache: all 49 matrices of the 125M reference model, one thread
+# (AVX-512 EPYC), 5-8 rows took 21-27 ms against oneDNN's 26-34 (1.12-1.28x); at 12 rows oneDNN
+# is ahead. Steps of a few decodes plus a short prefill chunk land here.
+GEMV_MAX_ROWS = 8
 GEMV_BLOCKS = (16, 32, 64)
 
 

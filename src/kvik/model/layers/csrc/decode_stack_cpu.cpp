@@ -154,13 +154,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_add_rms_norm", &kvik::fused_add_rms_norm, "residual += x; x = rms_norm(residual) * weight");
   m.def("rotary_inplace", &kvik::rotary_inplace, "neox-style rotary embedding, in place");
   m.def("silu_and_mul", &kvik::silu_and_mul, "out = silu(gate) * up");
-  m.def("gemv_packed", &kvik::gemv_packed, "y = x W^T + b for 1-4 rows of x, W in oneDNN's packed layout");
+  m.def("gemv_packed", &kvik::gemv_packed, "y = x W^T + b for rows of x (a few: it streams W once), W in oneDNN's packed layout");
   m.def("simd_isa", &kvik::simd_isa, "the vector instructions the weight-only kernels use");
   m.def("set_portable_kernels", &kvik::set_portable_kernels,
         "run the weight-only kernels' plain loops even where AVX2 is available (for tests)");
 
   py::class_<kvik::LinearWeight, WeightPtr>(m, "LinearWeight")
-      .def_static("packed_float32", &packed_float32, "oneDNN's packed float32 weight (1-4 rows only)",
+      .def_static("packed_float32", &packed_float32, "oneDNN's packed float32 weight",
                   py::arg("address"), py::arg("out_features"), py::arg("in_features"), py::arg("in_stride"),
                   py::arg("block"), py::arg("bias") = py::none())
       .def_static("weight_only", &weight_only, "a bfloat16 / int8 / int4 weight in kvik's blocked layout",
