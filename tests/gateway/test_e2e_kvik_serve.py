@@ -420,7 +420,8 @@ def test_an_answer_slower_than_read_s_fails_over_and_each_replica_stops_generati
     }, name=f"read-timeout-{transport}")
     marker = f"too-slow-{secrets.token_hex(4)}"
     with slow.client() as client:
-        response = client.post("/v1/chat/completions", json=chat("tiny", marker, max_tokens=LONG_ANSWER, ignore_eos=True))
+        response = client.post("/v1/chat/completions",
+                               json=chat("tiny", marker, max_tokens=LONG_ANSWER, ignore_eos=True))
 
     def logged() -> list[dict[str, Any]]:
         return [e for r in replicas for e in r.request_log() if marker in json.dumps(e.get("prompt"))]
