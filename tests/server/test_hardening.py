@@ -277,6 +277,8 @@ def test_stream_that_fails_mid_way_ends_with_an_error_and_no_done(server_factory
             break
         time.sleep(0.1)
     assert log_lines[-1]["status"] == 500 and "injected fault" in log_lines[-1]["error"]
+    # Timings of what it did get: the wait for its first step, then that step, then more.
+    assert 0 <= log_lines[-1]["queue_ms"] <= log_lines[-1]["ttft_ms"] <= log_lines[-1]["latency_ms"], log_lines[-1]
     # The engine keeps serving after a failed step.
     again = httpx.post(f"{failing.base_url}/completions", json={**body, "stream": False}, timeout=60)
     assert again.status_code == 200, again.text

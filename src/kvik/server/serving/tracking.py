@@ -27,6 +27,7 @@ class CallRecord:
     completion_tokens: int = 0
     cached_tokens: int = 0
     first_token_time: float | None = None
+    first_scheduled_time: float | None = None  # when the engine first planned a step with it
     finish_reasons: list[str] = field(default_factory=list)
 
 
@@ -64,6 +65,8 @@ async def tracked_generate(state: ServerState, engine: AsyncLLM, request: Engine
             last = now
         record.completion_tokens += new_tokens
         record.cached_tokens = output.num_cached_tokens
+        if record.first_scheduled_time is None and output.metrics is not None:
+            record.first_scheduled_time = output.metrics.first_scheduled_time
         for choice in output.outputs:
             if choice.finish_reason is not None:
                 metrics.finished(choice.finish_reason, model)
@@ -114,6 +117,7 @@ def log_request(state: ServerState, *, request_id: str, endpoint: str, model: st
     """One structured line per request; prompt text only with --log-prompts."""
     now = time.time()
     first = min((r.first_token_time for r in records if r.first_token_time), default=None)
+    scheduled = min((r.first_scheduled_time for r in records if r.first_scheduled_time), default=None)
     line: dict[str, Any] = {
         "event": "request", "id": request_id, "endpoint": endpoint, "model": model, "status": status,
         "stream": stream, "prompt_tokens": sum(r.prompt_tokens for r in records),
@@ -121,6 +125,8 @@ def log_request(state: ServerState, *, request_id: str, endpoint: str, model: st
         "cached_tokens": sum(r.cached_tokens for r in records),
         "latency_ms": round((now - arrival) * 1000, 1),
         "ttft_ms": round((first - arrival) * 1000, 1) if first else None,
+        # Arrival to the engine's first step with it: the wait for the queue and the running step.
+        "queue_ms": round(max(0.0, scheduled - arrival) * 1000, 1) if scheduled else None,
         "finish_reasons": [reason for r in records for reason in r.finish_reasons],
     }
     if error is not None:
