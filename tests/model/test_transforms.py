@@ -110,7 +110,7 @@ CASES = [  # (engine arguments, the arch)
 @pytest.mark.parametrize("engine_args,arch", CASES)
 def test_compiled_path_equals_pytorch_path(model_dir_factory, monkeypatch, engine_args, arch):
     """The same quantized weights and KV format through the compiled kernels (single sequences on the
-    decode stack, a batch of four on it too, eleven through the modules, chunked prefill) and through
+    decode stack, batches of four and seven on it too, eleven through the modules, chunked prefill) and through
     plain PyTorch (what CUDA runs): same greedy tokens, logprobs within float32 noise."""
     path = str(model_dir_factory(arch))
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)
@@ -119,7 +119,8 @@ def test_compiled_path_equals_pytorch_path(model_dir_factory, monkeypatch, engin
     if compiled.engine.core.cpu_kernels is None:
         pytest.skip("no C++ toolchain")
     runs = [compiled.generate([p], params)[0] for p in prompts[:2]]
-    runs += compiled.generate(prompts[:4], params) + compiled.generate(prompts, params)
+    runs += compiled.generate(prompts[:4], params) + compiled.generate(prompts[:7], params)
+    runs += compiled.generate(prompts, params)
     monkeypatch.setenv("KVIK_CPU_KERNELS", "0")
     plain = LLM(path, show_progress=False, block_size=4, **engine_args)
     assert plain.engine.core.cpu_kernels is None
