@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import io
+import itertools
 import json
 import multiprocessing
 import os
@@ -33,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable
 from pathlib import Path
 
 import httpx
@@ -48,7 +50,7 @@ def free_port() -> int:
 
 class Server:
     def __init__(self, model: str, policy: str, workdir: Path, max_num_seqs: int,
-                 max_num_batched_tokens: int | None = None) -> None:
+                 max_num_batched_tokens: int | None = None, lower_tier_prefill_chunk: int | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(workdir / f"server-{policy}.log", "wb")  # noqa: SIM115
@@ -56,7 +58,9 @@ class Server:
             [sys.executable, "-m", "kvik.cli.main", "serve", "--model", model, "--port", str(self.port),
              "--served-model-name", "m", "--max-model-len", "1024", "--max-num-seqs", str(max_num_seqs),
              "--max-waiting", "100000", "--scheduling-policy", policy, "--batch-db", str(workdir / f"{policy}.db"),
-             *(["--max-num-batched-tokens", str(max_num_batched_tokens)] if max_num_batched_tokens else [])],
+             *(["--max-num-batched-tokens", str(max_num_batched_tokens)] if max_num_batched_tokens else []),
+             *(["--lower-tier-prefill-chunk", str(lower_tier_prefill_chunk)]
+               if lower_tier_prefill_chunk is not None and policy == "priority" else [])],
             stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
@@ -90,6 +94,13 @@ async def stream_ttft(client: httpx.AsyncClient, url: str, body: dict) -> float:
     if ttft is None:
         raise RuntimeError("no token came back")
     return ttft
+
+
+def unique(body: dict, tag: object) -> dict:
+    """`body` with its prompt made this request's own. Real requests differ (a user's message, a
+    document to summarise); identical prompts would all hit the prefix cache after the first, and
+    every "prefill" would be one token."""
+    return {**body, "prompt": f"{tag}: {body['prompt']}"}
 
 
 def successes(results: list) -> list[float]:
@@ -131,7 +142,7 @@ def offer_process(url: str, body: dict, rate: float, seconds: float, drain: bool
             nonlocal sent, served, ok
             sent += 1
             try:
-                response = await client.post(url, json=body)
+                response = await client.post(url, json=unique(body, f"{os.getpid()}.{sent}"))
             except httpx.HTTPError as exc:
                 failures[type(exc).__name__] = failures.get(type(exc).__name__, 0) + 1
                 return
@@ -177,16 +188,21 @@ async def tiers(server: Server, args: argparse.Namespace, background_rate: float
                    "priority": PRIORITY["interactive"], "tenant": "chat"}
     background = {"model": "m", "prompt": prompt * 4, "max_tokens": args.max_tokens, "ignore_eos": True,
                   "priority": PRIORITY["background"], "tenant": "bulk"}
+    numbers = itertools.count()
+
+    def chat() -> Awaitable[float]:
+        return stream_ttft(client, server.url, unique(interactive, f"chat {next(numbers)}"))
+
     async with httpx.AsyncClient(timeout=3600, limits=httpx.Limits(max_connections=None)) as client:
         # Warm-up, not measured: the first requests of each shape pay one-time costs (allocations,
         # the tokenizer's caches, the HTTP connections) that are no part of either TTFT.
-        for _ in range(3):
-            await stream_ttft(client, server.url, interactive)
-            await client.post(f"{server.url}/v1/completions", json=background)
-        unloaded = successes(await periodic(args.interactive_rate, args.seconds / 2,
-                                            lambda: stream_ttft(client, server.url, interactive)))
+        for i in range(3):
+            await chat()
+            await client.post(f"{server.url}/v1/completions", json=unique(background, f"warm-up {i}"))
+        unloaded = successes(await periodic(args.interactive_rate, args.seconds / 2, chat))
         lines = [{"custom_id": f"l{i}", "method": "POST", "url": "/v1/completions",
-                  "body": {**background, "tenant": None, "priority": 0}} for i in range(batch_lines)]
+                  "body": unique({**background, "tenant": None, "priority": 0}, f"batch {i}")}
+                 for i in range(batch_lines)]
         content = ("\n".join(json.dumps(line) for line in lines) + "\n").encode()
         uploaded = (await client.post(f"{server.url}/v1/files", data={"purpose": "batch"},
                                       files={"file": ("in.jsonl", io.BytesIO(content))})).json()
@@ -194,8 +210,7 @@ async def tiers(server: Server, args: argparse.Namespace, background_rate: float
             "input_file_id": uploaded["id"], "endpoint": "/v1/completions", "completion_window": "24h"})).json()
         offered = Offered(f"{server.url}/v1/completions", background, background_rate, args.seconds, drain=True)
         await asyncio.sleep(2.0)  # let the queue build (and the child start)
-        loaded = successes(await periodic(args.interactive_rate, args.seconds - 2,
-                                          lambda: stream_ttft(client, server.url, interactive)))
+        loaded = successes(await periodic(args.interactive_rate, args.seconds - 2, chat))
         load_stopped = time.perf_counter()
         sent, finished, _, failures = await offered.result()
         if failures:
@@ -258,6 +273,9 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="the servers' per-step token budget (a smaller one bounds how long a step holding "
                              "background prefill makes an arriving interactive request wait)")
+    parser.add_argument("--lower-tier-prefill-chunk", type=int, default=None,
+                        help="the priority server's --lower-tier-prefill-chunk (default: the server's, 16 "
+                             "on a CPU; 0: off)")
     parser.add_argument("--max-tokens", type=int, default=48, help="tokens per background/fairness request")
     parser.add_argument("--interactive-rate", type=float, default=4.0, help="interactive requests per second")
     parser.add_argument("--interactive-prompt-words", type=int, default=16,
@@ -279,7 +297,8 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     report = {}
     for policy in ("fcfs", "priority"):
-        server = Server(model, policy, workdir, args.max_num_seqs, args.max_num_batched_tokens)
+        server = Server(model, policy, workdir, args.max_num_seqs, args.max_num_batched_tokens,
+                        args.lower_tier_prefill_chunk)
         try:
             # Capacity first: the background tier is sized from it, so the loaded phase really offers
             # more than the server can do on this machine, however fast it is.
@@ -309,7 +328,9 @@ def main() -> None:
     for label, key, fmt in rows:
         print(f"{label:48} {fmt.format(report['fcfs'][key]):>14} {fmt.format(report['priority'][key]):>14}")
     print(f"\n(workdir {workdir}; model {model}; max_num_seqs {args.max_num_seqs}, "
-          f"max_num_batched_tokens {args.max_num_batched_tokens or 'default'}, {args.seconds:.0f} s phases)")
+          f"max_num_batched_tokens {args.max_num_batched_tokens or 'default'}, priority's lower_tier_prefill_chunk "
+          f"{'default' if args.lower_tier_prefill_chunk is None else args.lower_tier_prefill_chunk}, "
+          f"{args.seconds:.0f} s phases)")
 
 
 if __name__ == "__main__":

@@ -73,3 +73,19 @@ def test_finish_frees_blocks_at_once():
     scheduler.schedule()
     scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
     assert kv.num_free_blocks() == 8 and not scheduler.running
+
+
+def test_first_scheduled_time_is_when_the_step_is_planned_and_the_prefix_hit_with_it():
+    """Queue time ends when a step first carries the request, not when that step has run (the
+    step is the request's prefill); a later step or a preemption does not move it."""
+    scheduler = Scheduler(KVCacheManager(64, 4), max_num_seqs=1, max_num_batched_tokens=100)
+    first, second = make_request([1, 2, 3]), make_request([4, 5])
+    scheduler.add(first)
+    scheduler.add(second)
+    out = scheduler.schedule()
+    planned = first.group.first_scheduled_time
+    assert planned is not None and second.group.first_scheduled_time is None  # max_num_seqs 1: it waits
+    assert first.group.num_cached_tokens == 0
+    run_step(scheduler, out)
+    run_step(scheduler, scheduler.schedule())
+    assert first.group.first_scheduled_time == planned

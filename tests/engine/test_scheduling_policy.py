@@ -62,11 +62,63 @@ def test_a_better_tier_preempts_the_worst_running_sequence_for_a_batch_slot():
     step(scheduler)
     interactive = request(priority=-10)
     scheduler.add(interactive)
+    computed = new_background.num_computed_tokens
+    blocks = scheduler.kv.block_ids(new_background)
     out = scheduler.schedule()
-    assert out.preempted == [new_background]  # the worst tier, and within it the newest
+    # The worst tier, and within it the newest, leaves the batch; displaced for a slot, not for
+    # memory, it keeps its KV (suspended, not preempted): nothing to recompute when it resumes.
+    assert out.preempted == [] and scheduler.num_suspensions == 1
     assert interactive in [chunk.request for chunk in out.chunks]
-    assert new_background.status is RequestStatus.PREEMPTED and scheduler.kv.block_ids(new_background) == []
+    assert new_background not in [chunk.request for chunk in out.chunks]
+    assert new_background.status is RequestStatus.SUSPENDED
+    assert scheduler.kv.block_ids(new_background) == blocks and new_background.num_computed_tokens == computed
     assert list(scheduler.waiting) == [new_background]
+    scheduler.kv.pool.check_invariants()
+
+
+def test_a_suspended_sequence_resumes_where_it_stopped_with_the_same_tokens():
+    """Once the better tier is done, the suspended sequence decodes on from its kept KV: one token
+    scheduled (no prefill chunk), and its output is what it would have been."""
+    scheduler = priority_scheduler(max_num_seqs=1)
+    background = request(priority=10, max_tokens=6)
+    scheduler.add(background)
+    for _ in range(3):
+        step(scheduler)
+    computed = background.num_computed_tokens
+    interactive = request(priority=-10, max_tokens=2)
+    scheduler.add(interactive)
+    while not interactive.status.finished:
+        step(scheduler)
+    assert background.status is RequestStatus.SUSPENDED
+    out = scheduler.schedule()
+    assert [(c.request, c.num_new_tokens, c.start) for c in out.chunks] == [(background, 1, computed)]
+    scheduler.update_from_output(out, {background: SampledTokens([1], None)})
+    while not background.status.finished:
+        step(scheduler)
+    assert background.output_token_ids == [1] * 6
+    scheduler.kv.pool.check_invariants()
+    assert scheduler.kv.pool.num_free_blocks == scheduler.kv.pool.num_blocks  # every block back
+
+
+def test_suspended_sequences_give_their_blocks_up_before_anyone_running_is_preempted():
+    scheduler = priority_scheduler(num_blocks=8, block_size=4, max_num_seqs=2)
+    suspended = request(12, priority=10, max_tokens=20)  # 3 blocks, then 4 with its first tokens
+    scheduler.add(suspended)
+    step(scheduler)
+    step(scheduler)
+    interactive = [request(4, priority=-10, max_tokens=20) for _ in range(2)]
+    for made in interactive:
+        scheduler.add(made)
+    step(scheduler)
+    assert suspended.status is RequestStatus.SUSPENDED and scheduler.kv.block_ids(suspended)
+    # The two interactive sequences grow until the pool is short: the suspended one's blocks go
+    # first (it will recompute), and neither interactive sequence is preempted.
+    for _ in range(12):
+        step(scheduler)
+    assert suspended.status is RequestStatus.PREEMPTED and scheduler.kv.block_ids(suspended) == []
+    assert suspended.num_computed_tokens == 0
+    assert all(r.status in (RequestStatus.RUNNING, RequestStatus.FINISHED_LENGTH) for r in interactive)
+    assert scheduler.num_preemptions_by_priority[-10] == 0
     scheduler.kv.pool.check_invariants()
 
 
@@ -236,3 +288,52 @@ def test_fair_share_state_is_released_when_requests_leave():
     scheduler.finish(made, RequestStatus.FINISHED_ABORTED)  # twice: counted once
     assert policy.counters._tiers[0].pending == {}
     assert policy._prompt_charged == set()
+
+
+def test_a_worse_tier_prefills_in_short_chunks_while_a_better_tier_is_active():
+    """--lower-tier-prefill-chunk: a step cannot be interrupted, so while a better tier is active a
+    worse tier's prompt goes in chunks of at most the limit; alone, or with no limit, it takes the
+    whole budget. The better tier itself is never limited."""
+    def scheduler_with(limit):
+        return Scheduler(KVCacheManager(64, 4), 8, 100,
+                         policy=PriorityFairPolicy(lower_tier_prefill_chunk=limit))
+
+    alone = scheduler_with(8)
+    background = request(40, priority=10)
+    alone.add(background)
+    assert [c.num_new_tokens for c in alone.schedule().chunks] == [40]  # no better tier seen
+
+    scheduler = scheduler_with(8)
+    interactive, background = request(30, priority=-10), request(40, priority=10)
+    scheduler.add(interactive)
+    scheduler.add(background)
+    first = scheduler.schedule()
+    assert [(c.request, c.num_new_tokens) for c in first.chunks] == [(interactive, 30), (background, 8)]
+    scheduler.update_from_output(first, {interactive: SampledTokens([1], None)})
+    second = scheduler.schedule()  # the running prefill continues in chunks of 8 too
+    assert [(c.request, c.num_new_tokens) for c in second.chunks] == [(interactive, 1), (background, 8)]
+
+    unlimited = scheduler_with(None)
+    interactive, background = request(30, priority=-10), request(40, priority=10)
+    unlimited.add(interactive)
+    unlimited.add(background)
+    assert [c.num_new_tokens for c in unlimited.schedule().chunks] == [30, 40]
+
+    expired = PriorityFairPolicy(lower_tier_prefill_chunk=8, active_window_s=0.0)
+    late = Scheduler(KVCacheManager(64, 4), 8, 100, policy=expired)
+    late.add(request(4, priority=-10))
+    step(late)
+    background = request(40, priority=10)
+    late.add(background)
+    assert [c.num_new_tokens for c in late.schedule().chunks if c.request is background] == [40]
+
+
+def test_the_lower_tier_chunk_defaults_to_16_on_a_cpu_and_0_turns_it_off(tiny_llama):
+    from kvik.core.config import ConfigError, EngineArgs
+    from kvik.engine.llm import LLM
+
+    assert LLM(str(tiny_llama), show_progress=False).engine.core.scheduler.policy.lower_tier_prefill_chunk == 16
+    off = LLM(str(tiny_llama), show_progress=False, lower_tier_prefill_chunk=0)
+    assert off.engine.core.scheduler.policy.lower_tier_prefill_chunk is None
+    with pytest.raises(ConfigError, match="lower_tier_prefill_chunk"):
+        EngineArgs(model=str(tiny_llama), lower_tier_prefill_chunk=-1)

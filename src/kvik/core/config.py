@@ -60,6 +60,10 @@ class EngineArgs:
     speculative_adaptive: bool = True  # False: always propose num_speculative_tokens
     # fcfs: arrival order. priority: requests' `priority` tiers, then fair share between tenants.
     scheduling_policy: str = "priority"
+    # priority: prompt tokens a step may compute for a tier worse than one active in the last 30 s,
+    # bounding how long a better tier's arrival waits behind worse prefill. None: 16 on a CPU, off
+    # on a GPU (kvik.engine.core); 0: off.
+    lower_tier_prefill_chunk: int | None = None
     # Multi-LoRA serving (kvik.engine.lora_manager): adapters to load at start as "name=path" (a
     # {name: path} dict is accepted too), slots in device memory, the largest rank, and adapters
     # kept in CPU memory (None: every loaded one).
@@ -113,6 +117,8 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name}: must be at least 1, got {value}")
+        if self.lower_tier_prefill_chunk is not None and self.lower_tier_prefill_chunk < 0:
+            raise ConfigError(f"lower_tier_prefill_chunk: must be 0 (off) or more, got {self.lower_tier_prefill_chunk}")
         if self.kv_cache_fraction is not None and not 0 < self.kv_cache_fraction <= 1:
             raise ConfigError(f"kv_cache_fraction: must be in (0, 1], got {self.kv_cache_fraction}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -241,6 +247,12 @@ class EngineArgs:
                            help="priority (default): requests' `priority` first (lower is served "
                                 "first; better tiers preempt worse ones), then fair share of tokens "
                                 "between tenants; fcfs: arrival order only")
+        group.add_argument("--lower-tier-prefill-chunk", type=int, default=None, metavar="TOKENS",
+                           help="priority policy: while a better tier has sent a request in the last "
+                                "30 s, worse tiers compute at most TOKENS prompt tokens a step, so a "
+                                "better tier's request never waits behind one long step of their "
+                                "prefill (default: 16 on a CPU, where a step's time grows with its "
+                                "tokens; off on a GPU; 0: off)")
 
         if lora:
             EngineArgs._add_lora_cli_args(parser)
@@ -281,6 +293,7 @@ _FIELD_TYPES: dict[str, Any] = {
     "quantization_group_size": int, "quantization_zero_point": bool, "kv_cache_dtype": str,
     "speculative_method": str, "num_speculative_tokens": int, "speculative_model": str,
     "prompt_lookup_min": int, "prompt_lookup_max": int, "speculative_adaptive": bool, "scheduling_policy": str,
+    "lower_tier_prefill_chunk": int,
     "enable_lora": bool, "lora_modules": list, "max_loras": int, "max_lora_rank": int, "max_cpu_loras": int,
 }
 _TYPE_NAMES = {str: "a string", int: "an integer", bool: "true or false", list: "a list"}

@@ -26,7 +26,8 @@ from kvik.engine.messages import TokenLogprobs
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    PREEMPTED = "preempted"
+    PREEMPTED = "preempted"  # blocks freed: recomputes its tokens (or hits the prefix cache) when resumed
+    SUSPENDED = "suspended"  # out of the batch for a better-ranked sequence, its blocks kept
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"

@@ -6,13 +6,16 @@ sequences first, then waiting ones in the policy's order while `max_num_seqs` al
 takes what is left of the budget and continues next step (chunked prefill). When blocks run out, the
 last running sequence in the policy's order is preempted: its blocks are freed and it goes back to
 the waiting queue at its arrival position to be recomputed later (its sampled tokens are kept, so no
-token changes).
+token changes). A sequence displaced only for a batch slot by a better-ranked one is suspended
+instead: out of the batch with its blocks kept, it resumes where it stopped; suspended sequences
+give their blocks up (and become preempted) before anyone running is preempted for blocks.
 
 The queue policy (`kvik.engine.scheduling_policy`: FCFS, or priority tiers with fair share between
 tenants) decides the admission order, the preemption order, and whether a waiting sequence may
-displace a running one (preempt it for a slot or blocks, or defer its chunk for budget); the
-scheduler only asks it at those points and reports tokens served to it. `ScheduledChunk` carries
-the token count and the block ids per sequence, so the model runner never reads the KV manager.
+displace a running one (preempt it for a slot or blocks, or defer its chunk for budget), and how
+many prompt tokens a sequence may compute in one step; the scheduler only asks it at those points
+and reports tokens served to it. `ScheduledChunk` carries the token count and the block ids per
+sequence, so the model runner never reads the KV manager.
 
 Speculative decoding adds draft tokens to a running sequence (`Request.spec_token_ids`, proposed by
 `kvik.engine.spec_decode` after the previous step): they are scheduled after the known tokens and
@@ -115,6 +118,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.num_preemptions_by_priority: Counter[int] = Counter()
+        self.num_suspensions = 0  # displaced for a batch slot, KV kept (not counted as preemptions)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -126,6 +130,14 @@ class Scheduler:
         budget = self._schedule_running(out, budget)
         if not out.preempted:  # admitting new work right after preempting would thrash
             self._schedule_waiting(out, budget)
+        # Stamped when the step is planned, not when it ends: queue time is the wait for a step,
+        # and the step itself is the request's prefill (the front end's `queue`/`prefill` spans).
+        now = time.time()
+        for chunk in out.chunks:
+            group = chunk.request.group
+            if group.first_scheduled_time is None:
+                group.first_scheduled_time = now
+                group.num_cached_tokens = max(chunk.request.num_cached_tokens, 0)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -135,11 +147,15 @@ class Scheduler:
             request = self.running[index]
             num_known = request.num_tokens - request.num_computed_tokens
             num_new = min(num_known + len(request.spec_token_ids), budget)
+            if num_known > 1:  # a prefill going on (drafts only ride on a single known token)
+                num_new = min(num_new, self.policy.prefill_chunk_limit(request) or num_new)
             del request.spec_token_ids[max(0, num_new - num_known):]  # drafts past the budget
             while self.uses_kv_cache and not self.kv.allocate_slots(request, num_new):
                 if request.spec_token_ids:  # drafts give way before anyone is preempted
                     num_new -= len(request.spec_token_ids)
                     request.spec_token_ids.clear()
+                    continue
+                if self._release_suspended(out):
                     continue
                 victim = self.running[-1]
                 self._preempt(victim, out)
@@ -165,12 +181,16 @@ class Scheduler:
                    if request.num_computed_tokens == 0 and not whole and self.uses_kv_cache else None)
             hit_tokens = hit.num_blocks * self.kv.block_size if hit else 0
             num_wanted = request.num_tokens - request.num_computed_tokens - hit_tokens
+            if not whole and self.enable_chunked_prefill and num_wanted > 1:
+                num_wanted = min(num_wanted, self.policy.prefill_chunk_limit(request) or num_wanted)
             room = self._make_room(request, out, budget, num_wanted, chunkable=not whole)
             if room is None:
                 return  # nobody overtakes the head of the queue
             budget = room
             num_new = min(num_wanted, budget)
             while self.uses_kv_cache and not self.kv.allocate_slots(request, num_new, hit):
+                if self._release_suspended(out, keep=request):
+                    continue
                 freed = self._preempt_for(request, out)
                 if freed is None:
                     return  # nobody overtakes the head of the queue for blocks
@@ -225,7 +245,7 @@ class Scheduler:
         budget it may use, or None if it cannot be admitted this step. A request that is not
         `chunkable` (a pooling request that needs its whole prompt at once) needs all of it."""
         while len(self.running) >= self.max_num_seqs:
-            freed = self._preempt_for(request, out)
+            freed = self._preempt_for(request, out, keep_blocks=True)
             if freed is None:
                 return None
             budget += freed
@@ -235,16 +255,23 @@ class Scheduler:
             return None
         return budget
 
-    def _preempt_for(self, request: Request, out: SchedulerOutput) -> int | None:
+    def _preempt_for(self, request: Request, out: SchedulerOutput, *, keep_blocks: bool = False) -> int | None:
         """Preempt the running sequence the policy ranks last, if `request` may displace it; the
-        budget its chunk held this step, or None when nothing may be displaced."""
+        budget its chunk held this step, or None when nothing may be displaced. `keep_blocks`
+        (displaced for a batch slot, not for memory): the victim keeps its KV and resumes where it
+        stopped, instead of recomputing its last partial block (or more, with its blocks evicted);
+        that recompute would make a later step long, and the next arrival of the tier that
+        displaced it would wait for that step."""
         if not self.running:
             return None
         victim = max(self.running, key=self.policy.running_key)
         if not self.policy.may_displace(request, victim):
             return None
         freed = self._unschedule(victim, out)
-        self._preempt(victim, out)
+        if keep_blocks and victim.num_computed_tokens > 0 and self.uses_kv_cache:
+            self._suspend(victim)
+        else:
+            self._preempt(victim, out)
         return freed
 
     def _defer_for(self, request: Request, out: SchedulerOutput, needed: int) -> int:
@@ -270,20 +297,42 @@ class Scheduler:
         return leader.status.finished or leader.num_computed_tokens >= leader.num_prompt_tokens
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
-        self.running.remove(request)
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+            self._requeue(request)
         self.kv.free(request)
-        self._release_adapter(request)
         request.num_computed_tokens = 0
-        request.spec_token_ids.clear()
         request.status = RequestStatus.PREEMPTED
+        out.preempted.append(request)
+        self.num_preemptions += 1
+        self.num_preemptions_by_priority[request.group.priority] += 1
+
+    def _suspend(self, request: Request) -> None:
+        """Out of the batch, blocks kept: waiting again with its computed tokens (SUSPENDED)."""
+        self.running.remove(request)
+        self._requeue(request)
+        request.status = RequestStatus.SUSPENDED
+        self.num_suspensions += 1
+        self.num_preemptions_by_priority[request.group.priority] += 1  # displaced all the same
+
+    def _requeue(self, request: Request) -> None:
+        self._release_adapter(request)
+        request.spec_token_ids.clear()
         # Back to the waiting queue in arrival order among the other waiting sequences.
         position = 0
         while position < len(self.waiting) and self.waiting[position].arrival_order < request.arrival_order:
             position += 1
         self.waiting.insert(position, request)
-        out.preempted.append(request)
-        self.num_preemptions += 1
-        self.num_preemptions_by_priority[request.group.priority] += 1
+
+    def _release_suspended(self, out: SchedulerOutput, keep: Request | None = None) -> bool:
+        """Free the blocks of the suspended sequence the policy ranks last (it will recompute, as a
+        preempted one does): blocks held for a later resume give way before anyone running is
+        preempted. False when no suspended sequence holds blocks."""
+        suspended = [r for r in self.waiting if r.status is RequestStatus.SUSPENDED and r is not keep]
+        if not suspended:
+            return False
+        self._preempt(max(suspended, key=self.policy.running_key), out)
+        return True
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Remove a sequence (finished or aborted) and free its blocks at once."""
@@ -313,9 +362,6 @@ class Scheduler:
             request = chunk.request
             request.spec_token_ids.clear()  # verified in this step (or dropped by a preemption)
             group = request.group
-            if group.first_scheduled_time is None:
-                group.first_scheduled_time = now
-                group.num_cached_tokens = max(request.num_cached_tokens, 0)
             if request.status.finished:  # aborted while the step ran (cannot happen in-process)
                 request.num_computed_tokens = chunk.end
                 continue

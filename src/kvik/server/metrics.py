@@ -64,7 +64,8 @@ class _EngineCollector(Collector):
         yield counter("num_preemptions", "Sequences preempted for lack of KV blocks.",
                       lambda s: s.num_preemptions)
         preempted = CounterMetricFamily("kvik:tier_preemptions", "Sequences preempted, by priority tier "
-                                        "(for blocks, or to make room for a better tier).",
+                                        "(for blocks: freed and recomputed; or out of the batch for a "
+                                        "better tier, KV kept).",
                                         labels=["model_name", "tier"])
         waiting = GaugeMetricFamily("kvik:tier_requests_waiting", "Sequences waiting, by priority tier.",
                                     labels=["model_name", "tier"])
