@@ -27,6 +27,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -167,7 +168,10 @@ def bad_request(rng: random.Random) -> tuple[str, bytes]:
 
 
 def sse_data(text: str) -> list[str]:
-    return [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+    # SSE lines end only at CR, LF or CRLF. str.splitlines() also splits at U+0085, U+2028 and the
+    # like, which JSON may carry raw inside a string (a random model's tokens do): that broke an
+    # event in two and counted a whole answer as lost.
+    return [line[len("data: "):] for line in re.split(r"\r\n|\r|\n", text) if line.startswith("data: ")]
 
 
 def judge_json(kind: str, response: httpx.Response, latency: float) -> Result:

@@ -109,3 +109,14 @@ def test_urls_accept_a_base_with_or_without_v1():
     assert api_root("http://h:8000/v1/") == api_root("http://h:8000") == "http://h:8000"
     assert endpoint_url("http://h:8000/v1", "chat") == "http://h:8000/v1/chat/completions"
     assert endpoint_url("http://h:8000", "completions") == "http://h:8000/v1/completions"
+
+
+def test_raw_line_separators_inside_json_strings_do_not_split_an_event():
+    """JSON may carry U+2028 and U+0085 unescaped (pydantic and orjson do); SSE lines end only at CR,
+    LF or CRLF, so such a token is one event (httpx's aiter_lines() would split it)."""
+    frames = [json.dumps(p, ensure_ascii=False) for p in (completion("a\u2028b"), completion("c\x85", "length"),
+                                                          usage(7, 2))]
+    body = "".join(f"data: {frame}\r\n\r\n" for frame in frames) + "data: [DONE]\n\n"
+    record = record_of(200, body.encode())
+    assert record.success and record.error is None, record.error
+    assert record.output_tokens == 2

@@ -5,6 +5,7 @@ raises), nothing is cached, the breaker counts it, and the usage row says 502.""
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from collections.abc import Iterator
 
@@ -33,7 +34,8 @@ def gateway(gateways: GatewayFactory, upstreams: list[Upstream]) -> Iterator[Gat
 
 
 def data_lines(text: str) -> list[str]:
-    return [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+    # SSE lines end at CR, LF or CRLF only (str.splitlines() also splits at U+2028 inside JSON).
+    return [line[len("data: "):] for line in re.split(r"\r\n|\r|\n", text) if line.startswith("data: ")]
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -250,3 +250,15 @@ def test_batch_requests_are_validated(batch_server):
     response = httpx.post(f"{batch_server.base_url}/files", files={"file": ("in.jsonl", b"{}")},
                           data={"purpose": "fine-tune"})
     assert response.status_code == 400 and response.json()["error"]["param"] == "purpose"
+
+
+def test_a_line_with_a_raw_line_separator_inside_a_string_is_one_request():
+    """JSON allows U+2028 and U+0085 unescaped in strings (JSON.stringify writes them so); only
+    "\\n" ends a JSON Lines record, and CRLF files work too."""
+    from kvik.server.batches.input_file import parse_input_file
+
+    first = '{"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "x\u2028y\u0085z"}}'
+    second = '{"custom_id": "b", "url": "/v1/completions", "body": {"prompt": "w"}}'
+    lines = parse_input_file(f"{first}\r\n{second}\n".encode(), max_lines=10)
+    assert [line.custom_id for line in lines] == ["a", "b"]
+    assert lines[0].body["prompt"] == "x\u2028y\u0085z"

@@ -12,7 +12,9 @@ import asyncio
 import json
 import math
 import random
+import re
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +23,8 @@ import httpx
 from kvik.bench.stats import RequestRecord
 from kvik.bench.workloads import BenchRequest
 from kvik.core.errors import ConfigError
+
+SSE_LINE_END = re.compile(r"\r\n|\r|\n")
 
 
 @dataclass(slots=True)
@@ -105,6 +109,20 @@ def is_token_chunk(payload: dict[str, Any], chat: bool) -> bool:
     return bool(choice.get("text")) or choice.get("finish_reason") is None
 
 
+async def sse_lines(response: httpx.Response) -> AsyncIterator[str]:
+    """The lines of an event stream. SSE ends a line only at CR, LF or CRLF; httpx's aiter_lines()
+    also splits at U+2028, U+0085 and other characters that JSON carries raw inside strings (a
+    random-weight model generates them), which cut an event in two."""
+    buffer = ""
+    async for text in response.aiter_text():
+        parts = SSE_LINE_END.split(buffer + text)
+        buffer = parts.pop()
+        for line in parts:
+            yield line
+    if buffer:
+        yield buffer
+
+
 async def send_request(client: httpx.AsyncClient, url: str, headers: dict[str, str], body: dict[str, Any],
                        record: RequestRecord, chat: bool, bench_start: float) -> RequestRecord:
     """Stream one request, filling `record` with its timings; errors are recorded, never raised."""
@@ -118,7 +136,7 @@ async def send_request(client: httpx.AsyncClient, url: str, headers: dict[str, s
                 text = (await response.aread()).decode(errors="replace")
                 record.error = f"HTTP {response.status_code}: {text[:300]}"
                 return record
-            async for line in response.aiter_lines():
+            async for line in sse_lines(response):
                 if not line.startswith("data:"):
                     continue  # blank separators and ': keep-alive' comments
                 data = line[len("data:"):].strip()

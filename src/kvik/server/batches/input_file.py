@@ -38,7 +38,10 @@ def parse_input_file(content: bytes, max_lines: int) -> list[BatchLine]:
                                   param="file") from None
     lines: list[BatchLine] = []
     seen: set[str] = set()
-    for number, raw in enumerate(text.splitlines(), start=1):
+    # JSON Lines end at "\n" (a "\r" before it is dropped). Not str.splitlines(): it also splits at
+    # U+2028, U+0085 and other characters JSON carries raw inside strings (JSON.stringify and
+    # orjson write them unescaped), which would cut one request in two.
+    for number, raw in enumerate((line.removesuffix("\r") for line in text.split("\n")), start=1):
         if not raw.strip():
             continue
         if len(lines) >= max_lines:
