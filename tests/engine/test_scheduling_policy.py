@@ -337,3 +337,18 @@ def test_the_lower_tier_chunk_defaults_to_16_on_a_cpu_and_0_turns_it_off(tiny_ll
     assert off.engine.core.scheduler.policy.lower_tier_prefill_chunk is None
     with pytest.raises(ConfigError, match="lower_tier_prefill_chunk"):
         EngineArgs(model=str(tiny_llama), lower_tier_prefill_chunk=-1)
+    with pytest.raises(ConfigError, match="lower_tier_prefill_chunk: expected an integer"):
+        EngineArgs(model=str(tiny_llama), lower_tier_prefill_chunk=True)
+    assert make_policy("priority", "cuda").lower_tier_prefill_chunk is None  # off on a GPU unless given
+    assert make_policy("priority", "cuda", lower_tier_prefill_chunk=32).lower_tier_prefill_chunk == 32
+
+
+@pytest.mark.parametrize("value, message", [("-1", "must be 0 (off) or more, got -1"), ("x", "invalid int value")])
+def test_kvik_serve_refuses_a_bad_lower_tier_chunk_before_loading_anything(value, message):
+    import subprocess
+
+    from tests.support.processes import KVIK
+
+    result = subprocess.run([*KVIK, "serve", "--lower-tier-prefill-chunk", value], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode != 0 and message in result.stderr, result.stderr[-500:]

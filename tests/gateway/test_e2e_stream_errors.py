@@ -5,13 +5,13 @@ raises), nothing is cached, the breaker counts it, and the usage row says 502.""
 from __future__ import annotations
 
 import json
-import re
 import secrets
 from collections.abc import Iterator
 
 import openai
 import pytest
 
+from kvik.bench.load import SSE_LINE_END
 from tests.gateway.harness import Gateway, GatewayFactory, Upstream, model_config, require_fake
 
 pytestmark = pytest.mark.timeout(180)
@@ -35,7 +35,7 @@ def gateway(gateways: GatewayFactory, upstreams: list[Upstream]) -> Iterator[Gat
 
 def data_lines(text: str) -> list[str]:
     # SSE lines end at CR, LF or CRLF only (str.splitlines() also splits at U+2028 inside JSON).
-    return [line[len("data: "):] for line in re.split(r"\r\n|\r|\n", text) if line.startswith("data: ")]
+    return [line[len("data: "):] for line in SSE_LINE_END.split(text) if line.startswith("data: ")]
 
 
 @pytest.mark.parametrize("mode", MODES)

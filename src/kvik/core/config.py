@@ -62,7 +62,7 @@ class EngineArgs:
     scheduling_policy: str = "priority"
     # priority: prompt tokens a step may compute for a tier worse than one active in the last 30 s,
     # bounding how long a better tier's arrival waits behind worse prefill. None: 16 on a CPU, off
-    # on a GPU (kvik.engine.core); 0: off.
+    # on a GPU (kvik.engine.scheduling_policy.make_policy); 0: off.
     lower_tier_prefill_chunk: int | None = None
     # Multi-LoRA serving (kvik.engine.lora_manager): adapters to load at start as "name=path" (a
     # {name: path} dict is accepted too), slots in device memory, the largest rank, and adapters

@@ -40,7 +40,7 @@ from kvik.engine.sampler import Sampler, prompt_logprobs_for
 from kvik.engine.scheduler import SampledTokens, Scheduler
 from kvik.engine.spec_decode import SpecDecoder, build_spec_decoder
 from kvik.engine.structured.matcher import GrammarBackend
-from kvik.engine.scheduling_policy import DEFAULT_CPU_LOWER_TIER_PREFILL_CHUNK, make_policy
+from kvik.engine.scheduling_policy import make_policy
 from kvik.model.lora import LoRAModel, enable_lora
 from kvik.model.loader import load_model, load_model_config, resolve_model_path
 from kvik.model.models.registry import model_class as architecture_class
@@ -134,8 +134,8 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv, args.max_num_seqs, self.max_num_batched_tokens,
                                    args.enable_chunked_prefill, eos_token_ids=frozenset(self.eos_token_ids),
                                    max_model_len=self.max_model_len, uses_kv_cache=self.uses_kv_cache,
-                                   policy=make_policy(args.scheduling_policy,
-                                                      lower_tier_prefill_chunk=self._lower_tier_prefill_chunk()),
+                                   policy=make_policy(args.scheduling_policy, self.device.type,
+                                                      lower_tier_prefill_chunk=args.lower_tier_prefill_chunk),
                                    adapters=self.adapters)
         # Structured outputs: llguidance's tokenizer view is built in the background now, so no
         # request waits for it and requests without constraints never touch it.
@@ -379,16 +379,6 @@ class EngineCore:
                                                     error=message))
             del self.groups[request_id]
         return outputs
-
-    def _lower_tier_prefill_chunk(self) -> int | None:
-        """--lower-tier-prefill-chunk: None picks by device. A CPU step's time grows with every
-        prompt token it holds (about 2 ms each for the 125M reference model on one thread), so 16
-        keeps a step holding worse-tier prefill near a decode step; a GPU computes a few hundred
-        tokens in about the time of one, so there it stays off. 0 turns it off."""
-        chunk = self.args.lower_tier_prefill_chunk
-        if chunk is None:
-            chunk = DEFAULT_CPU_LOWER_TIER_PREFILL_CHUNK if self.device.type == "cpu" else 0
-        return chunk or None
 
     def reset_prefix_cache(self) -> int:
         return self.kv.pool.reset_prefix_cache()
