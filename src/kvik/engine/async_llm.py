@@ -28,7 +28,7 @@ from kvik.core.sampling_params import OutputKind
 from kvik.core.tokenizer import Tokenizer
 from kvik.engine import request_spans
 from kvik.engine.core_client import EngineCoreClient
-from kvik.engine.input_processor import InputProcessor
+from kvik.engine.input_processor import InputProcessor, utf8_size
 from kvik.engine.messages import EngineCoreOutputs, EngineCoreRequest, EngineInfo, EngineStats, LoRAAdapterInfo
 from kvik.engine.output_processor import OutputProcessor
 from kvik.engine.preprocess_pool import (PreprocessConfig, PreprocessPool, RenderedPrompt,
@@ -134,7 +134,7 @@ class AsyncLLM:
     async def tokenize(self, texts: list[str], add_special_tokens: bool = True,
                        reserve_tokens: int | None = None) -> list[list[int]]:
         for text in texts:
-            self.input_processor.check_text_size(len(text.encode("utf-8", "surrogatepass")), "prompt")
+            self.input_processor.check_text_size(utf8_size(text), "prompt")
         if self.pool is not None and sum(len(t) for t in texts) > self.preprocess_config.inline_bytes:
             return await self.pool.tokenize(texts, add_special_tokens, reserve_tokens)
         return [self.tokenizer.encode(text, add_special_tokens=add_special_tokens) for text in texts]

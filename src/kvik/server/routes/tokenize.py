@@ -7,6 +7,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from kvik.core.errors import InvalidRequestError
+from kvik.engine.input_processor import text_size
 from kvik.protocol.openai import DetokenizeRequest, TokenizeRequest
 from kvik.server.json_body import ParsedBodyRoute
 from kvik.server.routes.responses import ERROR_RESPONSES
@@ -24,7 +25,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
         raise InvalidRequestError("give exactly one of prompt or messages", param="prompt")
     if body.messages is not None:
         messages = messages_for_template(body.messages)
-        size = sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages)
+        size = text_size([m["content"] for m in messages])
         engine.input_processor.check_text_size(size, "messages")
         tools = [tool.model_dump(exclude_unset=True) for tool in body.tools] if body.tools else None
         rendered = await engine.render_chat(messages, add_generation_prompt=body.add_generation_prompt,

@@ -21,6 +21,7 @@ from kvik.core.chat_template import check_template_kwargs
 from kvik.core.errors import InvalidRequestError
 from kvik.core.sampling_params import OutputKind, SamplingParams, StructuredOutputs
 from kvik.engine.async_llm import AsyncLLM
+from kvik.engine.input_processor import text_size
 from kvik.engine.messages import EngineCoreRequest
 from kvik.engine.preprocess_pool import RenderedPrompt
 from kvik.protocol.openai import ChatCompletionRequest, ChatMessage, CompletionRequest, _SamplingFields
@@ -134,11 +135,6 @@ def scheduling(body: _SamplingFields) -> dict[str, Any]:
     return {"priority": body.priority, "tenant": body.tenant or "", "tenant_weight": body.tenant_weight}
 
 
-def _text_bytes(value: Any) -> int:
-    """UTF-8 size of all the text in a JSON-like value (an upper bound on what it contributes)."""
-    return len(json.dumps(value, ensure_ascii=False).encode("utf-8", "surrogatepass"))
-
-
 def _chat_template_policy(state: ServerState, body: ChatCompletionRequest) -> tuple[str | None, dict[str, Any]]:
     """The request's own template (only if the operator trusts requests with one) and its
     template arguments (never the ones the server owns)."""
@@ -173,7 +169,7 @@ async def _system_prompt_tokens(engine: AsyncLLM, messages: list[dict[str, Any]]
         return 0
     try:
         prefix = await engine.render_chat(leading, add_generation_prompt=False, template=template,
-                                          tools=tools, template_kwargs=kwargs, input_bytes=_text_bytes(leading))
+                                          tools=tools, template_kwargs=kwargs, input_bytes=text_size(leading))
     except InvalidRequestError:
         return 0
     if not text.startswith(prefix.text):
@@ -199,8 +195,8 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest, *,
     parsers = state.output_parsers(engine)
     tool_plan = await plan_tools(body, parsers.tools, parsers.tool_fallback)
     wanted = requested_constraint(body)
-    input_bytes = _text_bytes(messages) + (_text_bytes(tools) if tools else 0)
-    processor.check_text_size(_text_bytes([m["content"] for m in messages]), "messages")
+    input_bytes = text_size(messages) + (text_size(tools) if tools else 0)
+    processor.check_text_size(text_size([m["content"] for m in messages]), "messages")
     if rendered is None:
         rendered = await engine.render_chat(messages, add_generation_prompt=body.add_generation_prompt,
                                             template=template, tools=tools, template_kwargs=kwargs,

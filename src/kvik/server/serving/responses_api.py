@@ -31,6 +31,7 @@ from pydantic import ValidationError
 from kvik.core.errors import InvalidRequestError, KvikError, NotFoundError
 from kvik.core.outputs import RequestOutput
 from kvik.engine.async_llm import AsyncLLM
+from kvik.engine.input_processor import text_size
 from kvik.engine.preprocess_pool import RenderedPrompt
 from kvik.protocol.openai import ChatCompletionRequest
 from kvik.protocol.responses import ResponsesRequest
@@ -333,7 +334,7 @@ async def continuation(engine: AsyncLLM, previous: StoredConversation, messages:
     when that text starts with the previous prompt and answer exactly, made of the previous turn's
     own token ids (minus its closing end-of-turn token, which the template writes again) and the
     new text's tokens, so the previous turn's KV blocks hit the prefix cache."""
-    size = sum(len(str(m.get("content") or "")) for m in messages)
+    size = text_size(messages)
     rendered = await engine.render_chat(messages, tools=tools, input_bytes=size)
     tokenizer = engine.tokenizer
     output_ids = list(previous.output_token_ids)
