@@ -11,7 +11,7 @@ which the engine counts per priority. With several models, each loaded model has
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -130,30 +130,40 @@ class ServerMetrics:
         self._rejected = Counter("kvik:request_rejected", "Requests refused before reaching the engine.",
                                  ["model_name", "reason"], registry=self.registry)
         self.registry.register(_EngineCollector(stats, self.tiers))
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
 
     def tier(self, priority: int) -> str:
         return tier_name(priority, self.tiers)
 
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """`metric.labels(*labels)`, remembered: streams observe per token, and prometheus_client's
+        `labels()` costs as much again as the observation."""
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
     def time_to_first_token(self, model: str, tier: str, seconds: float) -> None:
-        self._ttft.labels(model, tier).observe(seconds)
+        self._child(self._ttft, model, tier).observe(seconds)
 
     def inter_token_latency(self, model: str, seconds: float) -> None:
-        self._inter_token.labels(model).observe(seconds)
+        self._child(self._inter_token, model).observe(seconds)
 
     def e2e_latency(self, model: str, tier: str, seconds: float) -> None:
-        self._e2e.labels(model, tier).observe(seconds)
+        self._child(self._e2e, model, tier).observe(seconds)
 
     def queue_time(self, model: str, tier: str, seconds: float) -> None:
-        self._queue_time.labels(model, tier).observe(seconds)
+        self._child(self._queue_time, model, tier).observe(seconds)
 
     def tokens(self, model: str, tier: str, prompt: int, generation: int) -> None:
         if prompt:
-            self._tokens.labels(model, tier, "prompt").inc(prompt)
+            self._child(self._tokens, model, tier, "prompt").inc(prompt)
         if generation:
-            self._tokens.labels(model, tier, "generation").inc(generation)
+            self._child(self._tokens, model, tier, "generation").inc(generation)
 
     def finished(self, finish_reason: str, model: str | None = None) -> None:
-        self._success.labels(model or self.model_name, finish_reason).inc()
+        self._child(self._success, model or self.model_name, finish_reason).inc()
 
     def rejected(self, reason: str) -> None:
         self._rejected.labels(self.model_name, reason).inc()
