@@ -15,6 +15,7 @@ import pytest
 
 from kvik.bench.load import arrival_times
 from kvik.cli.main import main
+from tests.support.sse import sse_lines
 
 LATENCY_KEYS = [f"{kind}_{metric}_ms" for metric in ("ttft", "tpot", "itl", "e2e")
                 for kind in ("mean", "p50", "p90", "p99")]
@@ -92,7 +93,7 @@ def test_naive_server_greedy_output_equals_kvik(naive, kvik_server):
     # Streaming sends the same text, one chunk per token, the last one finishing, then usage and [DONE].
     with httpx.stream("POST", naive.url + "/v1/completions", timeout=60,
                       json={**body, "stream": True, "stream_options": {"include_usage": True}}) as response:
-        events = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+        events = [line[len("data: "):] for line in sse_lines(response) if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
     assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == ours["choices"][0]["text"]

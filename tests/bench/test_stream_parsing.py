@@ -5,13 +5,16 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
 from kvik.bench.load import api_root, endpoint_url, is_token_chunk, send_request
+from kvik.bench.load import sse_lines as load_sse_lines
 from kvik.bench.stats import RequestRecord
+from tests.support.sse import sse_lines
 
 
 def sse(*payloads: Any, done: bool = True) -> bytes:
@@ -120,3 +123,53 @@ def test_raw_line_separators_inside_json_strings_do_not_split_an_event():
     record = record_of(200, body.encode())
     assert record.success and record.error is None, record.error
     assert record.output_tokens == 2
+
+
+class ChunkStream(httpx.SyncByteStream):
+    def __init__(self, chunks: list[bytes]) -> None:
+        self.chunks = chunks
+
+    def __iter__(self) -> Iterator[bytes]:
+        yield from self.chunks
+
+
+def test_sync_sse_lines_split_only_at_cr_lf_and_crlf():
+    """The tests' sync reader: one line per CR, LF or CRLF, even split across chunks (a CRLF, a UTF-8
+    character), never at the raw U+2028 and U+0085 a JSON string may hold."""
+    event = "data: " + json.dumps(completion("a\u2028b\x85c"), ensure_ascii=False)
+    body = f"{event}\r\n\r\n: keep-alive\rdata: [DONE]\n\nlast".encode()
+    cuts = [3, body.index("\u2028".encode()) + 1, body.index(b"\r\n") + 1, body.index(b"alive\r") + 6,
+            len(body) - 2]
+    chunks = [body[start:end] for start, end in zip([0, *cuts], [*cuts, len(body)])]
+    expected = [event, "", ": keep-alive", "data: [DONE]", "", "last"]
+    assert list(sse_lines(httpx.Response(200, stream=ChunkStream(chunks)))) == expected
+    assert list(httpx.Response(200, stream=ChunkStream(chunks)).iter_lines()) != expected
+
+
+def test_sync_sse_lines_is_lazy():
+    def chunks() -> Iterator[bytes]:
+        yield b"data: 1\n"
+        raise AssertionError("read past the first line")
+
+    class Stream(httpx.SyncByteStream):
+        def __iter__(self) -> Iterator[bytes]:
+            return chunks()
+
+    assert next(sse_lines(httpx.Response(200, stream=Stream()))) == "data: 1"
+
+
+def test_async_sse_lines_hold_a_cr_that_ends_a_chunk():
+    """kvik bench's own reader splits the same way, a CRLF cut between two chunks included."""
+    body = b"data: 1\r\n\r\ndata: 2\rdata: 3"
+    cuts = [body.index(b"\r\n") + 1, body.index(b"2\r") + 2]
+    chunks = [body[start:end] for start, end in zip([0, *cuts], [*cuts, len(body)])]
+
+    class Stream(httpx.AsyncByteStream):
+        async def __aiter__(self):
+            for chunk in chunks:
+                yield chunk
+
+    async def read() -> list[str]:
+        return [line async for line in load_sse_lines(httpx.Response(200, stream=Stream()))]
+
+    assert asyncio.run(read()) == ["data: 1", "", "data: 2", "data: 3"]

@@ -12,6 +12,7 @@ import pytest
 
 from tests.gateway.fake_upstream import RETRY_AFTER_S
 from tests.gateway.harness import Gateway, GatewayFactory, Upstream, free_port, model_config, require_fake, wait_for
+from tests.support.sse import sse_lines
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -169,7 +170,7 @@ def test_replica_dying_mid_stream_ends_the_stream_with_an_error_event(gateway: G
     wait_for(lambda: all(r["healthy"] and r["breaker"] == "closed" for r in gateway.replicas().values()))
     with gateway.client() as client, client.stream(
             "POST", "/v1/chat/completions", json=body(0, stream=True, max_tokens=30)) as response:
-        lines = response.iter_lines()
+        lines = sse_lines(response)
         first = next(lines)
         serving = next(u for u in replicas if f'"system_fingerprint": "{u.name}"' in first)
         serving.kill9()  # bytes already reached the client: no failover possible, but no hang either

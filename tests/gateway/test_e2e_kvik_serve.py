@@ -26,6 +26,7 @@ import pytest
 
 from tests.gateway.harness import (UPSTREAM_MODEL, Gateway, GatewayFactory, KvikServe, free_port, model_config,
                                    wait_for)
+from tests.support.sse import sse_lines
 
 pytest.importorskip("torch")  # the replicas are kvik serve, which needs torch (the gateway does not)
 
@@ -182,11 +183,11 @@ def test_streaming_is_relayed_with_the_usage_chunk(gateway: Gateway, replicas: l
                 "tiny", "stream to me", stream=True, stream_options={"include_usage": True})) as response:
             assert response.status_code == 200
             assert response.headers["content-type"].startswith("text/event-stream")
-            with_usage = sse_payloads(response.iter_lines())
+            with_usage = sse_payloads(sse_lines(response))
         with client.stream("POST", "/v1/chat/completions",
                            json=chat("tiny", "stream again", stream=True)) as response:
             assert response.status_code == 200
-            without_usage = sse_payloads(response.iter_lines())
+            without_usage = sse_payloads(sse_lines(response))
 
     assert with_usage[-1] == "[DONE]"
     chunks = [json.loads(payload) for payload in with_usage[:-1]]
@@ -366,7 +367,7 @@ def test_a_client_that_leaves_a_stream_stops_the_generation(gateway: Gateway, ke
     body = chat("tiny", marker, max_tokens=LONG_ANSWER, ignore_eos=True, stream=True)
     with gateway.client(key) as client, client.stream("POST", "/v1/chat/completions", json=body) as response:
         assert response.status_code == 200
-        lines = response.iter_lines()
+        lines = sse_lines(response)
         received: list[str] = []
         while len(received) < 2:
             received += sse_payloads(iter([next(lines)]))
@@ -447,7 +448,7 @@ def test_a_replica_killed_mid_stream_ends_the_stream_with_an_error_and_no_done(
     with gateway.client(key, timeout=60) as client, client.stream("POST", "/v1/chat/completions",
                                                                  json=body) as response:
         assert response.status_code == 200
-        lines = response.iter_lines()
+        lines = sse_lines(response)
         received = []
         while len(received) < 2:  # the role chunk and the first content
             received += sse_payloads(iter([next(lines)]))

@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from tests.gateway.harness import FAKE, Gateway, GatewayFactory, Upstream, model_config, require_fake, wait_for
+from tests.support.sse import sse_lines
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -121,7 +122,7 @@ def test_streaming_is_relayed_chunk_by_chunk(gateway: Gateway, upstreams: list[U
             "POST", "/v1/chat/completions", json=chat("tiny", "stream please", stream=True, max_tokens=6)) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
-        for line in response.iter_lines():
+        for line in sse_lines(response):
             if line.startswith("data: "):
                 arrivals.append(time.monotonic() - started)
                 last = line
@@ -140,7 +141,7 @@ def test_client_leaving_mid_stream_releases_the_replica(gateway: Gateway, upstre
         upstream.control(chunk_delay_s=0.2)
     with gateway.client() as client, client.stream(
             "POST", "/v1/chat/completions", json=chat("tiny", "leave early", stream=True, max_tokens=50)) as response:
-        lines = response.iter_lines()  # held: dropping the iterator would close the connection
+        lines = sse_lines(response)  # held: dropping the iterator would close the connection
         assert next(lines).startswith("data: ")
         assert sum(r["outstanding"] for r in gateway.replicas().values()) == 1
     # Closing the connection must close the upstream stream and free the slot, long before the

@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from tests.gateway.harness import Gateway, GatewayFactory, Upstream, free_port, model_config, require_fake, wait_for
+from tests.support.sse import sse_lines
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -114,7 +115,7 @@ def test_a_stream_that_stalls_after_its_first_event_ends_with_an_error(gateways:
     try:
         with httpx.Client(base_url=gateway.url, timeout=CLIENT_TIMEOUT_S) as client, client.stream(
                 "POST", "/v1/chat/completions", json=chat("stall", stream=True, max_tokens=40)) as response:
-            lines = response.iter_lines()
+            lines = sse_lines(response)
             first = next(line for line in lines if line.startswith("data: "))
             serving = next(u for u in replicas if f'"system_fingerprint": "{u.name}"' in first)
             stop(serving)

@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from tests.gateway.harness import Gateway, GatewayFactory, Upstream, model_config, require_fake
+from tests.support.sse import sse_lines
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -42,7 +43,7 @@ def read_then_drop(gateway: Gateway, key: str, events: int) -> tuple[int, int]:
         if response.status_code != 200:
             response.read()
             return response.status_code, 0
-        for line in response.iter_lines():
+        for line in sse_lines(response):
             if line.startswith("data: ") and '"content"' in line:
                 read += 1
                 if read == events:

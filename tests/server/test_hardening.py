@@ -16,6 +16,7 @@ import pytest
 
 from tests.server.conftest import metric_value
 from tests.server.test_bad_input import assert_error, post
+from tests.support.sse import sse_lines
 
 NESTED_LOOPS = ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
                 "{{ messages[0]['content'] }}")
@@ -264,7 +265,7 @@ def test_stream_that_fails_mid_way_ends_with_an_error_and_no_done(server_factory
     body = {"model": "tiny", "prompt": "Tell me a story", "max_tokens": 100, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     with httpx.stream("POST", f"{failing.base_url}/completions", json=body, timeout=60) as response:
-        lines = [line for line in response.iter_lines() if line]
+        lines = [line for line in sse_lines(response) if line]
     assert response.status_code == 200
     assert lines[-1] != "data: [DONE]" and "[DONE]" not in "\n".join(lines)
     error = json.loads(lines[-1].removeprefix("data: "))["error"]

@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from tests.server.conftest import metric_value
+from tests.support.sse import sse_lines
 
 CHAT_ARGS = dict(temperature=0, max_tokens=16, extra_body={"ignore_eos": True})
 
@@ -43,7 +44,7 @@ def test_disconnect_mid_stream_frees_blocks(server):
     body = {"model": "tiny", "prompt": "Tell me a very long story", "max_tokens": 400,
             "stream": True, "ignore_eos": True}
     with httpx.stream("POST", f"{server.base_url}/completions", json=body, timeout=30) as response:
-        lines = response.iter_lines()
+        lines = sse_lines(response)
         for _ in range(3):
             next(lines)
         running = metric_value(httpx.get(metrics_url).text, "kvik:num_requests_running")

@@ -55,7 +55,9 @@ def test_win_rate_of_a_served_policy(tmp_path: Path, tiny_llama: Path, model_dir
     assert result.returncode == 0, result.stderr[-3000:]
     assert "win rate" in result.stdout
     summary = json.loads((out / "winrate.json").read_text())
-    samples = [json.loads(line) for line in (out / "winrate_samples.jsonl").read_text().splitlines()]
+    # JSON Lines end at "\n" only: the samples hold generated text, written with ensure_ascii=False,
+    # and splitlines() would also cut at a raw U+2028 or U+0085 inside one.
+    samples = [json.loads(line) for line in (out / "winrate_samples.jsonl").read_text().split("\n") if line]
     assert summary["prompts"] == len(samples) == 8
     # Recompute every score with HF transformers on the saved reward model.
     tokenizer = AutoTokenizer.from_pretrained(rm)

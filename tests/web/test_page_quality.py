@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from tests.gateway.harness import Gateway, KvikServe
+from tests.support.sse import sse_lines
 from tests.web.conftest import SCREENSHOTS
 from tests.web.page_helpers import content, csp_violations, open_page, send, sign_in, wait_done, wait_until
 
@@ -77,7 +78,7 @@ def test_send_to_first_token_painted_tracks_the_api_ttft(browser, kvik_server: K
         for _ in range(SAMPLES):
             started = time.perf_counter()
             with client.stream("POST", "/v1/chat/completions", json=body) as response:
-                for line in response.iter_lines():
+                for line in sse_lines(response):
                     if '"content":"' in line and '"content":""' not in line:
                         api_ttft.append((time.perf_counter() - started) * 1000)
                         break

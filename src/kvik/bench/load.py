@@ -115,12 +115,15 @@ async def sse_lines(response: httpx.Response) -> AsyncIterator[str]:
     random-weight model generates them), which cut an event in two."""
     buffer = ""
     async for text in response.aiter_text():
-        parts = SSE_LINE_END.split(buffer + text)
-        buffer = parts.pop()
-        for line in parts:
+        buffer += text
+        # A CR that ends a chunk may be the first half of a CRLF: held until the next chunk.
+        cut = len(buffer) - 1 if buffer.endswith("\r") else len(buffer)
+        *lines, rest = SSE_LINE_END.split(buffer[:cut])
+        buffer = rest + buffer[cut:]
+        for line in lines:
             yield line
     if buffer:
-        yield buffer
+        yield buffer.removesuffix("\r")
 
 
 async def send_request(client: httpx.AsyncClient, url: str, headers: dict[str, str], body: dict[str, Any],
