@@ -6,18 +6,14 @@ from collections.abc import Iterator
 
 import httpx
 
-from kvik.bench.load import SSE_LINE_END
+from kvik.bench.load import split_sse_lines
 
 
 def sse_lines(response: httpx.Response) -> Iterator[str]:
     """Lines ended only at CR, LF or CRLF: httpx's iter_lines() also splits at U+2028, U+0085 etc."""
     buffer = ""
     for text in response.iter_text():
-        buffer += text
-        # A CR that ends a chunk may be the first half of a CRLF: hold it until the next chunk.
-        cut = len(buffer) - 1 if buffer.endswith("\r") else len(buffer)
-        *lines, rest = SSE_LINE_END.split(buffer[:cut])
-        buffer = rest + buffer[cut:]
+        lines, buffer = split_sse_lines(buffer + text)
         yield from lines
     if buffer:
         yield buffer.removesuffix("\r")

@@ -109,17 +109,22 @@ def is_token_chunk(payload: dict[str, Any], chat: bool) -> bool:
     return bool(choice.get("text")) or choice.get("finish_reason") is None
 
 
+def split_sse_lines(buffer: str) -> tuple[list[str], str]:
+    """The complete lines at the start of `buffer` and what is left for the next chunk. SSE ends a
+    line only at CR, LF or CRLF; a CR that ends the buffer may be the first half of a CRLF, so it
+    waits for the next chunk."""
+    cut = len(buffer) - 1 if buffer.endswith("\r") else len(buffer)
+    *lines, rest = SSE_LINE_END.split(buffer[:cut])
+    return lines, rest + buffer[cut:]
+
+
 async def sse_lines(response: httpx.Response) -> AsyncIterator[str]:
-    """The lines of an event stream. SSE ends a line only at CR, LF or CRLF; httpx's aiter_lines()
-    also splits at U+2028, U+0085 and other characters that JSON carries raw inside strings (a
-    random-weight model generates them), which cut an event in two."""
+    """The lines of an event stream. httpx's aiter_lines() also splits at U+2028, U+0085 and other
+    characters that JSON carries raw inside strings (a random-weight model generates them), which
+    cut an event in two."""
     buffer = ""
     async for text in response.aiter_text():
-        buffer += text
-        # A CR that ends a chunk may be the first half of a CRLF: held until the next chunk.
-        cut = len(buffer) - 1 if buffer.endswith("\r") else len(buffer)
-        *lines, rest = SSE_LINE_END.split(buffer[:cut])
-        buffer = rest + buffer[cut:]
+        lines, buffer = split_sse_lines(buffer + text)
         for line in lines:
             yield line
     if buffer:
