@@ -33,3 +33,21 @@ def model_dir_factory(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="session")
 def tiny_llama(model_dir_factory) -> Path:
     return model_dir_factory("llama")
+
+
+@pytest.fixture
+def float_activations(monkeypatch):
+    """int8 and int4 layers on float32 activations (the weight-only kernels) for this test, also on
+    CPUs with AVX512-VNNI, where they otherwise round activations to int8: for tests that compare
+    with a float reference (HF transformers, plain PyTorch) token for token. The rounding itself is
+    tested against its own reference in tests/model/test_quant_kernels.py."""
+    from kvik.model.layers.cpu_kernels import cpu_kernels
+
+    default = os.environ.get("KVIK_INT8_ACTIVATIONS", "1") != "0"
+    monkeypatch.setenv("KVIK_INT8_ACTIVATIONS", "0")  # engine processes started by the test
+    kernels = cpu_kernels()
+    if kernels is not None:
+        kernels.set_int8_activations(False)
+    yield
+    if kernels is not None:
+        kernels.set_int8_activations(default)

@@ -115,7 +115,7 @@ def test_tokenizer_and_chat_template_equal_transformers_and_are_cached(gguf_dir,
 @torch.no_grad()
 @pytest.mark.parametrize("weight_type,types", [(Q.Q8_0, MIXED), (Q.Q4_K, None), (Q.Q4_0, None)],
                          ids=["mixed", "Q4_K", "Q4_0"])
-def test_greedy_output_equals_transformers_on_the_same_file(gguf_dir, weight_type, types):
+def test_greedy_output_equals_transformers_on_the_same_file(gguf_dir, weight_type, types, float_activations):
     """kvik serves the 4-bit tensors as int4 (all linears of the Q4_K and Q4_0 files, attn_output of
     the mixed one), transformers dequantizes them to float32."""
     path = write_llama_gguf(gguf_dir / f"greedy-{weight_type.name}.gguf", weight_type, tied=False, seed=3,

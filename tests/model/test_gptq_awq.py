@@ -70,7 +70,8 @@ def test_loaded_weights_equal_the_reference_dequantization(tiny_llama, tmp_path,
 @pytest.mark.parametrize("method,arch,dtype", [("gptq", "llama", "auto"), ("awq", "llama", "auto"),
                                                ("gptq", "qwen2", "auto"), ("gptq", "llama", "float32")],
                          ids=["gptq-int4", "awq-int4", "gptq-int4-qwen2-bias", "gptq-dequantized"])
-def test_greedy_output_equals_hf_on_the_dequantized_weights(model_dir_factory, tmp_path, method, arch, dtype):
+def test_greedy_output_equals_hf_on_the_dequantized_weights(model_dir_factory, tmp_path, method, arch, dtype,
+                                                            float_activations):
     """Served as int4 from the checkpoint's codes (dtype auto; Qwen2 has q/k/v biases to carry over)
     and dequantized (an explicit --dtype float32), greedy output equals HF on the float weights."""
     source = model_dir_factory(arch)

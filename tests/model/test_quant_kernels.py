@@ -23,20 +23,36 @@ FORMATS = [("bfloat16", 0, False), ("int8", 0, False), ("int4", 32, False), ("in
            ("int4", 128, False)]
 
 
-@pytest.fixture(params=["vector", "portable"])
+@pytest.fixture(params=["int8-activations", "vector", "portable"])
 def code_path(kernels, request):
-    """The AVX2 kernels (where this CPU has AVX2) and the plain loops every other CPU runs."""
+    """The AVX512-VNNI kernels on int8-rounded activations (where this CPU has them), the AVX2
+    kernels (where it has AVX2) and the plain loops every other CPU runs."""
     kernels.set_portable_kernels(request.param == "portable")
+    kernels.set_int8_activations(request.param == "int8-activations")
+    if request.param == "int8-activations" and "vnni" not in kernels.simd_isa():
+        pytest.skip("this CPU has no AVX512-VNNI/VBMI: int8 and int4 weights take float32 activations")
     yield request.param
     kernels.set_portable_kernels(False)
+    kernels.set_int8_activations(True)
+
+
+def round_activations(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """x as the VNNI kernels see it, written out independently: each row's blocks of 32 inputs
+    rounded to int8 with scale max |x| / 127 (half to even), then scaled back."""
+    blocks = x.reshape(*x.shape[:-1], -1, block)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return (torch.round(blocks * inverse) * (amax / 127.0)).reshape(x.shape)
 
 
 @pytest.mark.parametrize("kind,group,zero_point", FORMATS)
-@pytest.mark.parametrize("out_features,in_features,bias", [(1280, 768, False), (100, 200, True), (16, 64, True)])
+@pytest.mark.parametrize("out_features,in_features,bias",
+                         [(1280, 768, False), (100, 200, True), (16, 64, True), (48, 576, False)])
 def test_weight_only_linear_matches_torch(kernels, code_path, kind, group, zero_point, out_features,
                                           in_features, bias):
-    """Rows 1-4 (decode), 5-16 (the small-batch kernel in passes of four), 17+ (the widened GEMM):
-    all equal F.linear on the dequantized weight, computed by PyTorch from the packed buffers."""
+    """Rows 1-4 (decode), 5-16 (the small-batch kernel in passes of four), 17+ (the widened GEMM,
+    or the VNNI kernel): all equal F.linear on the dequantized weight, computed by PyTorch from the
+    packed buffers, and on the int8-rounded activations where the layer takes those."""
     torch.manual_seed(out_features + in_features)
     linear = torch.nn.Linear(in_features, out_features, bias=bias)
     layer = WeightOnlyLinear.from_linear(linear, kind, group or 64, zero_point)
@@ -44,13 +60,43 @@ def test_weight_only_linear_matches_torch(kernels, code_path, kind, group, zero_
     layer.enable_kernels(kernels)
     widened = layer.kernel_weight().dequantize_transposed()  # the kernel's
     assert torch.allclose(widened.t(), reference, rtol=1e-6, atol=1e-7)
+    rounded = layer.kernel_weight().int8_activations()
+    assert rounded == (code_path == "int8-activations" and kind != "bfloat16" and in_features % 32 == 0)
     with torch.inference_mode():
         for rows in (1, 2, 3, 4, 5, 7, 16, 17, 64):
             x = torch.randn(rows, in_features)
-            expected = F.linear(x, reference, layer.bias)
+            expected = F.linear(round_activations(x) if rounded else x, reference, layer.bias)
             assert torch.allclose(layer(x), expected, rtol=1e-4, atol=1e-4), rows
         x = torch.randn(2, 3, in_features)  # any leading shape
         assert layer(x).shape == (2, 3, out_features)
+
+
+@pytest.mark.parametrize("kind,group,zero_point", FORMATS[1:])
+def test_int8_activations_are_per_row_and_bounded(kernels, kind, group, zero_point):
+    """On the VNNI path each row's result depends on that row alone (any batch, bit for bit), rows
+    of zeros and of huge or tiny values come out right, and the distance to float32 activations
+    stays within the rounding's bound: |y - y_float| <= sum_k |W_jk| * scale_block(k) / 2."""
+    if "vnni" not in kernels.simd_isa():
+        pytest.skip("this CPU has no AVX512-VNNI/VBMI")
+    torch.manual_seed(7)
+    layer = WeightOnlyLinear.from_linear(torch.nn.Linear(576, 80), kind, group or 64, zero_point)
+    reference = layer.dequantize()
+    layer.enable_kernels(kernels)
+    x = torch.randn(37, 576)
+    x[3] = 0.0
+    x[5] *= 1e6
+    x[6] *= 1e-6
+    x[7, 100] = 50.0  # one outlier in its block
+    with torch.inference_mode():
+        batch = layer(x)
+        for row in (0, 3, 5, 6, 7, 36):
+            assert torch.equal(batch[row], layer(x[row:row + 1])[0])
+        assert torch.equal(batch[3], layer.bias)
+        exact = F.linear(x.double(), reference.double(), layer.bias.double())
+        step = x.reshape(37, -1, 32).abs().amax(-1).double() / 127  # (rows, blocks)
+        bound = (reference.abs().double().reshape(80, -1, 32).sum(-1) @ step.t()).t() / 2  # (rows, out)
+        error = (batch.double() - exact).abs()
+        assert torch.all(error <= bound * 1.001 + 1e-5 * exact.abs() + 1e-6)
 
 
 def test_bfloat16_gemm_path_matches(kernels):
@@ -148,17 +194,26 @@ def test_the_kernels_use_what_this_cpu_offers(kernels):
         pytest.skip("no /proc/cpuinfo")
     isa = kernels.simd_isa()
     if os.environ.get("KVIK_CPU_KERNELS_MARCH") not in (None, "", "native"):
-        assert isa in ("portable", "avx2", "avx2 (on an AVX-512 CPU)")
+        assert isa in ("portable", "avx2", "avx2 (on an AVX-512 CPU)") or isa.startswith("avx512-vnni")
+    elif {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512vbmi"} <= flags:
+        assert isa.startswith("avx512-vnni")
+        kernels.set_int8_activations(False)
+        try:
+            assert kernels.simd_isa() == "avx2 (on an AVX-512 CPU)"
+        finally:
+            kernels.set_int8_activations(True)
     elif {"avx2", "fma", "f16c"} <= flags:
         assert isa == ("avx2 (on an AVX-512 CPU)" if "avx512f" in flags else "avx2")
     else:
         assert isa == "portable"
 
 
-def test_kernel_sources_compile_for_a_cpu_without_avx2(tmp_path):
+@pytest.mark.parametrize("march", ["x86-64-v2", "haswell", "skylake-avx512"])
+def test_kernel_sources_compile_for_other_cpus(tmp_path, march):
     """The kernels are built with -march=native; on a CPU without AVX2/FMA/F16C the intrinsics are
-    compiled out and the plain loops (tested above as "portable") remain. Every source that uses
-    intrinsics must compile that way: a syntax-only pass for x86-64-v2 (SSE4.2, no AVX), seconds
+    compiled out and the plain loops (tested above as "portable") remain, and without AVX512-VNNI/VBMI
+    (Haswell's AVX2, Skylake's first AVX-512) the int8-activation kernels are compiled out. Every
+    source that uses intrinsics must compile that way: a syntax-only pass per target, seconds
     rather than a build.
     (KVIK_CPU_KERNELS_MARCH=x86-64-v2 kvik build-kernels builds and loads such a library for real.)"""
     import platform
@@ -179,8 +234,8 @@ def test_kernel_sources_compile_for_a_cpu_without_avx2(tmp_path):
     with_intrinsics = [name for name in SOURCES if "immintrin.h" in csrc.joinpath(name).read_text()]
     assert with_intrinsics, "no source includes immintrin.h: update this test"
     for source in with_intrinsics:
-        result = subprocess.run([compiler, "-std=c++20", "-fsyntax-only", "-march=x86-64-v2", "-fopenmp",
+        result = subprocess.run([compiler, "-std=c++20", "-fsyntax-only", f"-march={march}", "-fopenmp",
                                  "-DTORCH_EXTENSION_NAME=kvik_syntax_check", "-DTORCH_API_INCLUDE_EXTENSION_H",
                                  *includes, str(csrc.joinpath(source))],
                                 capture_output=True, text=True, cwd=tmp_path)
-        assert result.returncode == 0, f"{source} does not compile without AVX2:\n{result.stderr[-3000:]}"
+        assert result.returncode == 0, f"{source} does not compile for {march}:\n{result.stderr[-3000:]}"

@@ -42,7 +42,8 @@ def test_passes_replace_modules_and_bind_the_decode_stack(model_dir_factory):
     assert model.lm_head.kind == "int8"  # the int4 scheme keeps the LM head at int8
     # 2 layers x (qkv, o, gate_up, down) + LM head; no float32 linear is left to pack.
     assert report.quantized_linears == 9 and report.packed_linears == 0
-    assert report.kernel_isa in ("avx2", "avx2 (on an AVX-512 CPU)", "portable")
+    assert report.kernel_isa in ("avx2", "avx2 (on an AVX-512 CPU)", "portable") or "vnni" in report.kernel_isa
+    assert report.int8_activation_linears == (9 if "vnni" in report.kernel_isa else 0)
     assert report.linear_weight_bytes < sum(m.in_features * m.out_features * 4 for m in model.modules()
                                             if isinstance(m, WeightOnlyLinear)) / 4
     binding = bind_kv_cache(model, cache_for(cfg, torch.int8))
@@ -108,7 +109,7 @@ CASES = [  # (engine arguments, the arch)
 
 
 @pytest.mark.parametrize("engine_args,arch", CASES)
-def test_compiled_path_equals_pytorch_path(model_dir_factory, monkeypatch, engine_args, arch):
+def test_compiled_path_equals_pytorch_path(model_dir_factory, monkeypatch, engine_args, arch, float_activations):
     """The same quantized weights and KV format through the compiled kernels (single sequences on the
     decode stack, batches of four and seven on it too, eleven through the modules, chunked prefill) and through
     plain PyTorch (what CUDA runs): same greedy tokens, logprobs within float32 noise."""
@@ -133,7 +134,7 @@ def test_compiled_path_equals_pytorch_path(model_dir_factory, monkeypatch, engin
             assert abs(got_step[token].logprob - want_step[token].logprob) < 1e-3
 
 
-def test_layers_a_loader_quantized_get_the_kernels(model_dir_factory):
+def test_layers_a_loader_quantized_get_the_kernels(model_dir_factory, float_activations):
     """A loader of pre-quantized checkpoints builds WeightOnlyLinear from its own int4 values, scales
     and zero points (WeightOnlyLinear.from_int4); the entry point gives them the compiled kernels."""
     from kvik.model.quant.reference import quantize_int4

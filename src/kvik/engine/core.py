@@ -93,6 +93,8 @@ class EngineCore:
                                                  weights=self.precision.weights)
         self.cpu_kernels = self.transforms.kernels
         self.weight_bytes = self.transforms.weight_bytes
+        if self.transforms.int8_activation_linears:
+            self.precision = dataclasses.replace(self.precision, int8_activations=True)
         logger.info("precision: %s (%.1f MiB of weights)", self.precision.describe(), self.weight_bytes / 2**20)
         # Multi-LoRA serving: the target linears become LoRA-aware wrappers of whatever the passes
         # left (float32, oneDNN-packed or quantized), with --max-loras slots of adapter weights.

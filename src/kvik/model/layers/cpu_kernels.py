@@ -7,7 +7,8 @@ chains of small ops (csrc/fused_ops_cpu.cpp). A matrix-vector kernel reads oneDN
 for decodes of 1-4 rows (csrc/gemv_cpu.cpp), and for such steps a Llama-family model runs all its
 layers in one call (csrc/decode_stack_cpu.cpp). If no compiler is available, or
 KVIK_CPU_KERNELS=0 (which also turns off oneDNN weight packing), the PyTorch path is used and results
-are the same.
+are the same (int8/int4 weights: up to the int8 rounding of activations on AVX512-VNNI CPUs, see
+csrc/weight_only_cpu.cpp).
 """
 
 from __future__ import annotations
@@ -169,4 +170,8 @@ def cpu_kernels() -> Any:
         except Exception as exc:  # no compiler, no ninja, unsupported platform
             logger.warning("CPU kernels unavailable, using the PyTorch path (%s)", exc)
             _module = None
+        else:
+            # KVIK_INT8_ACTIVATIONS=0 keeps int8/int4 layers on float32 activations on AVX512-VNNI
+            # CPUs too (weight-only arithmetic, as on every other CPU; slower).
+            _module.set_int8_activations(os.environ.get("KVIK_INT8_ACTIVATIONS", "1") != "0")
     return _module

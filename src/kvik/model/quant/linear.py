@@ -4,9 +4,11 @@ On the CPU with the compiled kernels, batches of up to `SMALL_BATCH_ROWS` rows r
 widens the weights in registers and streams each block once per four rows (decoding: the bytes per
 token shrink with the format). Larger batches (prefill) are bound by arithmetic, not bytes: the
 weight is widened into a float32 matrix once per call and multiplied by the BLAS GEMM, or, on CPUs
-with bfloat16 arithmetic, by oneDNN's bfloat16 GEMM. Without the kernels (CUDA, or no compiler) the
-weight is dequantized with PyTorch ops on every call and multiplied in the input's dtype: correct
-everywhere, fast nowhere.
+with bfloat16 arithmetic, by oneDNN's bfloat16 GEMM. On CPUs with AVX512-VNNI, int8 and int4 weights
+instead multiply activations rounded to int8 in integer arithmetic, at every batch size (faster than
+both paths above, for decode and prefill alike; `kernels.set_int8_activations(False)` turns it
+off). Without the kernels (CUDA, or no compiler) the weight is dequantized with PyTorch ops on every
+call and multiplied in the input's dtype: correct everywhere, fast nowhere.
 """
 
 from __future__ import annotations
@@ -105,7 +107,7 @@ class WeightOnlyLinear(nn.Module):
         if self._kernel is None or rows.dtype != torch.float32:
             out = F.linear(rows, self.dequantize(rows.dtype),
                            None if self.bias is None else self.bias.to(rows.dtype))
-        elif rows.shape[0] <= SMALL_BATCH_ROWS:
+        elif rows.shape[0] <= SMALL_BATCH_ROWS or self._kernel.int8_activations():
             out = self._kernel(rows.contiguous())
         elif self._bf16_gemm:
             weight = self._kernel.dequantize_transposed(True)  # (K, N) bfloat16

@@ -63,13 +63,18 @@ class Precision:
     # Set after loading a pre-quantized checkpoint whose int4 layers were kept (CheckpointInt4.describe);
     # `weights` then applies to the other linear layers.
     checkpoint_int4: str | None = None
+    # Set after the inference passes when int8/int4 layers multiply int8-rounded activations
+    # (AVX512-VNNI CPUs; kvik.model.quant.linear).
+    int8_activations: bool = False
 
     def describe(self) -> str:
         weights = self.weights.describe() if self.weights else str(self.compute_dtype).removeprefix("torch.")
         if self.checkpoint_int4:
             weights = f"{self.checkpoint_int4}, other linear layers {weights}"
-        return (f"weights {weights}, activations {str(self.compute_dtype).removeprefix('torch.')}, "
-                f"KV cache {str(self.kv_cache_dtype).removeprefix('torch.')}")
+        activations = str(self.compute_dtype).removeprefix("torch.")
+        if self.int8_activations:
+            activations += " (int8 per 32 inputs into the int8/int4 linear layers)"
+        return f"weights {weights}, activations {activations}, KV cache {str(self.kv_cache_dtype).removeprefix('torch.')}"
 
 
 def keeps_checkpoint_int4(dtype: str, quantization: str | None) -> bool:

@@ -53,6 +53,7 @@ class TransformReport:
     weight_bytes: int = 0  # every parameter and buffer of the model after the passes
     linear_weight_bytes: int = 0  # what one decode step streams: all linear layers' weights
     linear_weights: int = 0  # elements of those weights (in x out each); bytes per weight = the ratio
+    int8_activation_linears: int = 0  # int8/int4 linears multiplying int8-rounded activations (VNNI)
     notes: list[str] = field(default_factory=list)
 
 
@@ -102,6 +103,9 @@ def optimize_for_inference(model: nn.Module, device: torch.device, dtype: torch.
         report.swapped_modules = swap_cpu_modules(model, kernels)
     elif device.type == "cpu" and weights is not None:
         report.notes.append("no compiled kernels: quantized weights are dequantized by PyTorch ops")
+    report.int8_activation_linears = sum(
+        1 for m in model.modules()
+        if isinstance(m, WeightOnlyLinear) and m.kernel_weight() is not None and m.kernel_weight().int8_activations())
     report.weight_bytes = _model_bytes(model)
     report.linear_weight_bytes = _linear_bytes(model)
     report.linear_weights = sum(m.in_features * m.out_features for m in model.modules()

@@ -158,6 +158,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("simd_isa", &kvik::simd_isa, "the vector instructions the weight-only kernels use");
   m.def("set_portable_kernels", &kvik::set_portable_kernels,
         "run the weight-only kernels' plain loops even where AVX2 is available (for tests)");
+  m.def("set_int8_activations", &kvik::set_int8_activations,
+        "round activations to int8 for int8/int4 weights where the CPU has AVX512-VNNI (the default)");
 
   py::class_<kvik::LinearWeight, WeightPtr>(m, "LinearWeight")
       .def_static("packed_float32", &packed_float32, "oneDNN's packed float32 weight",
@@ -171,6 +173,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("dequantize_transposed", [](const kvik::LinearWeight& w, bool bfloat16) {
              return kvik::dequantize_transposed(w, bfloat16);
            }, py::arg("bfloat16") = false)
+      .def("int8_activations", &kvik::uses_int8_activations,
+           "whether this weight multiplies int8-rounded activations (AVX512-VNNI)")
       .def_readonly("format", &kvik::LinearWeight::format)
       .def_readonly("out_features", &kvik::LinearWeight::out_features)
       .def_readonly("in_features", &kvik::LinearWeight::in_features);

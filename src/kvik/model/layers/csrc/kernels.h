@@ -67,5 +67,10 @@ at::Tensor dequantize_transposed(const LinearWeight& weight, bool bfloat16);
 // for whatever -march=native offers); set_portable_kernels(true) forces the plain loops (tests).
 const char* simd_isa();
 void set_portable_kernels(bool portable);
+// On CPUs with AVX512-VNNI and AVX512-VBMI, int8 and int4 weights multiply activations rounded to
+// int8 (per row and block of 32 inputs) in integer arithmetic; set_int8_activations(false) keeps them
+// float32 (the AVX2 kernels). uses_int8_activations says which one a weight gets.
+void set_int8_activations(bool enabled);
+bool uses_int8_activations(const LinearWeight& weight);
 
 }  // namespace kvik
