@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,6 +21,8 @@ def kernels():
     return module
 
 
+# What the kernels run with outside these tests (KVIK_INT8_ACTIVATIONS=0 turns int8 activations off).
+INT8_ACTIVATIONS_DEFAULT = os.environ.get("KVIK_INT8_ACTIVATIONS", "1") != "0"
 FORMATS = [("bfloat16", 0, False), ("int8", 0, False), ("int4", 32, False), ("int4", 64, True),
            ("int4", 128, False)]
 
@@ -33,7 +37,7 @@ def code_path(kernels, request):
         pytest.skip("this CPU has no AVX512-VNNI/VBMI: int8 and int4 weights take float32 activations")
     yield request.param
     kernels.set_portable_kernels(False)
-    kernels.set_int8_activations(True)
+    kernels.set_int8_activations(INT8_ACTIVATIONS_DEFAULT)
 
 
 def round_activations(x: torch.Tensor, block: int = 32) -> torch.Tensor:
@@ -183,10 +187,9 @@ def test_int8_kv_round_trip():
 
 
 def test_the_kernels_use_what_this_cpu_offers(kernels):
-    """Built for the CPU that runs them: AVX2 code exactly where /proc/cpuinfo lists avx2, fma and
-    f16c (with a note on AVX-512 CPUs), the plain loops elsewhere or when built for another target."""
-    import os
-
+    """Built for the CPU that runs them: the int8-activation code exactly where /proc/cpuinfo lists
+    AVX512-VNNI and VBMI too, AVX2 code where it lists avx2, fma and f16c (with a note on AVX-512
+    CPUs), the plain loops elsewhere or when built for another target."""
     try:
         with open("/proc/cpuinfo") as cpuinfo:
             flags = set(next((line for line in cpuinfo if line.startswith("flags")), "").split())
@@ -196,12 +199,13 @@ def test_the_kernels_use_what_this_cpu_offers(kernels):
     if os.environ.get("KVIK_CPU_KERNELS_MARCH") not in (None, "", "native"):
         assert isa in ("portable", "avx2", "avx2 (on an AVX-512 CPU)") or isa.startswith("avx512-vnni")
     elif {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512vbmi"} <= flags:
-        assert isa.startswith("avx512-vnni")
-        kernels.set_int8_activations(False)
+        kernels.set_int8_activations(True)
         try:
+            assert kernels.simd_isa().startswith("avx512-vnni")
+            kernels.set_int8_activations(False)
             assert kernels.simd_isa() == "avx2 (on an AVX-512 CPU)"
         finally:
-            kernels.set_int8_activations(True)
+            kernels.set_int8_activations(INT8_ACTIVATIONS_DEFAULT)
     elif {"avx2", "fma", "f16c"} <= flags:
         assert isa == ("avx2 (on an AVX-512 CPU)" if "avx512f" in flags else "avx2")
     else:

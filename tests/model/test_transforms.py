@@ -151,3 +151,30 @@ def test_layers_a_loader_quantized_get_the_kernels(model_dir_factory, float_acti
     with torch.inference_mode():
         assert torch.allclose(mlp.down_proj(x), torch.nn.functional.linear(x, mlp.down_proj.dequantize()),
                               atol=1e-5)
+
+
+def test_activations_argument_chooses_int8_or_float32_inputs(model_dir_factory):
+    """--activations: auto rounds inputs to int8 for --quantization (where the CPU has AVX512-VNNI)
+    and not for a checkpoint's own int4 layers; int8 / float32 force either; the precision line says
+    which. Elsewhere every choice runs float32."""
+    from kvik.model.quant import int8_activations
+
+    assert int8_activations("auto", "int4") and int8_activations("auto", "int8")
+    assert not int8_activations("auto", None) and int8_activations("int8", None)
+    assert not int8_activations("float32", "int4")
+    with pytest.raises(ConfigError, match="activations: 'int16'"):
+        EngineArgs(model="m", activations="int16")
+    path = str(model_dir_factory("llama"))
+    counts = {}
+    for activations in ("auto", "float32", "int8"):
+        llm = LLM(path, show_progress=False, quantization="int4", quantization_group_size=32, activations=activations)
+        core = llm.engine.core
+        if core.cpu_kernels is None:
+            pytest.skip("no C++ toolchain")
+        counts[activations] = core.transforms.int8_activation_linears
+        assert ("int8 per 32 inputs" in llm.engine.info.precision) == (counts[activations] > 0)
+    assert counts["float32"] == 0
+    if "vnni" in core.cpu_kernels.simd_isa():
+        assert counts["auto"] == counts["int8"] == 9  # 2 layers x 4 linears + the LM head
+    else:
+        assert counts["auto"] == counts["int8"] == 0

@@ -19,6 +19,7 @@ DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("int8", "int4")
 QUANTIZATION_GROUP_SIZES = (32, 64, 128)
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8")
+ACTIVATIONS = ("auto", "float32", "int8")
 SPECULATIVE_METHODS = ("ngram", "draft")
 MAX_SPECULATIVE_TOKENS = 16
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -38,6 +39,9 @@ class EngineArgs:
     quantization_group_size: int = 64  # int4: inputs per scale
     quantization_zero_point: bool = False  # int4: asymmetric groups with a zero point
     kv_cache_dtype: str = "auto"  # auto: the model's dtype; int8 has a scale per token and head
+    # Inputs of int8/int4 linear layers on AVX512-VNNI CPUs: int8 (rounded per 32 inputs) or float32;
+    # auto: int8 when --quantization is set, float32 for a checkpoint's int4 layers served as they are.
+    activations: str = "auto"
     seed: int = 0
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     block_size: int = 16  # tokens per KV block
@@ -108,6 +112,8 @@ class EngineArgs:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype: {self.kv_cache_dtype!r} is not one of "
                               f"{', '.join(KV_CACHE_DTYPES)}")
+        if self.activations not in ACTIVATIONS:
+            raise ConfigError(f"activations: {self.activations!r} is not one of {', '.join(ACTIVATIONS)}")
         if self.device not in DEVICES and not self.device.startswith("cuda:"):
             raise ConfigError(f"device: {self.device!r} is not one of {', '.join(DEVICES)} or cuda:N")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -209,6 +215,11 @@ class EngineArgs:
         group.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                            help="KV cache storage (default: auto, the model's dtype); int8 stores a "
                                 "float16 scale per token and head and holds ~3.9x float32's tokens")
+        group.add_argument("--activations", default="auto", choices=ACTIVATIONS,
+                           help="inputs of int8/int4 linear layers on CPUs with AVX512-VNNI: int8 (rounded "
+                                "per 32 inputs, integer dot products, as llama.cpp; faster) or float32 "
+                                "(default: auto: int8 with --quantization, float32 for a pre-quantized "
+                                "checkpoint's int4 layers served as they are). Other CPUs: float32")
         group.add_argument("--seed", type=int, default=0, help="seed for requests without their own")
         group.add_argument("--max-model-len", type=int, default=None,
                            help="context length (default: the model's max_position_embeddings)")
@@ -290,7 +301,7 @@ _FIELD_TYPES: dict[str, Any] = {
     "max_model_len": int, "block_size": int, "kv_cache_memory": int, "kv_cache_fraction": (int, float),
     "max_num_seqs": int, "max_num_batched_tokens": int, "enable_prefix_caching": bool,
     "enable_chunked_prefill": bool, "threads": int, "show_progress": bool, "quantization": str,
-    "quantization_group_size": int, "quantization_zero_point": bool, "kv_cache_dtype": str,
+    "quantization_group_size": int, "quantization_zero_point": bool, "kv_cache_dtype": str, "activations": str,
     "speculative_method": str, "num_speculative_tokens": int, "speculative_model": str,
     "prompt_lookup_min": int, "prompt_lookup_max": int, "speculative_adaptive": bool, "scheduling_policy": str,
     "lower_tier_prefill_chunk": int,

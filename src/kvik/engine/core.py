@@ -45,7 +45,7 @@ from kvik.model.lora import LoRAModel, enable_lora
 from kvik.model.loader import load_model, load_model_config, resolve_model_path
 from kvik.model.models.registry import model_class as architecture_class
 from kvik.model.pooling import LAST, label_names, load_pooling_config
-from kvik.model.quant import keeps_checkpoint_int4, resolve_precision
+from kvik.model.quant import int8_activations, keeps_checkpoint_int4, resolve_precision
 from kvik.model.transforms import optimize_for_inference
 
 logger = logging.getLogger("kvik.engine")
@@ -89,8 +89,9 @@ class EngineCore:
         logger.info("loaded %s (%s, %.1f MiB) on %s as %s in %.1fs", path, cfg.architecture,
                     loaded.weight_bytes / 2**20, self.device, self.dtype, time.perf_counter() - started)
         # Quantization, oneDNN packing and the compiled CPU kernels, as module swaps.
-        self.transforms = optimize_for_inference(self.model, self.device, self.dtype,
-                                                 weights=self.precision.weights)
+        self.transforms = optimize_for_inference(
+            self.model, self.device, self.dtype, weights=self.precision.weights,
+            int8_activations=int8_activations(args.activations, args.quantization))
         self.cpu_kernels = self.transforms.kernels
         self.weight_bytes = self.transforms.weight_bytes
         if self.transforms.int8_activation_linears:

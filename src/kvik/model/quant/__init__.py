@@ -9,8 +9,8 @@ codes reach the same layers through `prequantized`.
 
 from kvik.model.quant.linear import WeightOnlyLinear
 from kvik.model.quant.quantize import quantize_model
-from kvik.model.quant.scheme import (Precision, QuantScheme, cpu_has_native_bf16, keeps_checkpoint_int4,
-                                     resolve_precision)
+from kvik.model.quant.scheme import (Precision, QuantScheme, cpu_has_native_bf16, int8_activations,
+                                     keeps_checkpoint_int4, resolve_precision)
 
-__all__ = ["Precision", "QuantScheme", "WeightOnlyLinear", "cpu_has_native_bf16", "keeps_checkpoint_int4",
-           "quantize_model", "resolve_precision"]
+__all__ = ["Precision", "QuantScheme", "WeightOnlyLinear", "cpu_has_native_bf16", "int8_activations",
+           "keeps_checkpoint_int4", "quantize_model", "resolve_precision"]

@@ -85,6 +85,14 @@ def keeps_checkpoint_int4(dtype: str, quantization: str | None) -> bool:
     return quantization == "int4" or (quantization is None and dtype == "auto")
 
 
+def int8_activations(activations: str, quantization: str | None) -> bool:
+    """Whether int8/int4 layers may take int8-rounded activations (`--activations`; they do where the
+    CPU has AVX512-VNNI). auto: when the user asked for `--quantization`, kvik's fast path with
+    llama.cpp's arithmetic; not for a pre-quantized checkpoint's int4 layers served as they are
+    (`--dtype auto`), which then compute what the checkpoint defines, as HF transformers reads it."""
+    return activations == "int8" or (activations == "auto" and quantization is not None)
+
+
 @functools.lru_cache(maxsize=1)
 def cpu_has_native_bf16() -> bool:
     """True when the CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX-BF16), read from

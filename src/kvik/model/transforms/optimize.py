@@ -68,12 +68,13 @@ class CacheBinding:
 
 def optimize_for_inference(model: nn.Module, device: torch.device, dtype: torch.dtype, *,
                            weights: QuantScheme | None = None, kernels: Any = AUTO,
-                           bf16_gemm: bool | None = None) -> TransformReport:
+                           bf16_gemm: bool | None = None, int8_activations: bool = True) -> TransformReport:
     """Apply kvik's inference passes to a loaded `model` on `device` computing in `dtype`, before the
     KV cache exists. `weights`: narrow storage for the linear layers (None keeps `dtype`).
     `kernels`: the compiled CPU kernel module, None for plain PyTorch, or "auto" (compiled on CPU
     float32 unless KVIK_CPU_KERNELS=0). `bf16_gemm`: prefill GEMMs of bfloat16 weights in bfloat16
-    (default: where the CPU has bfloat16 arithmetic)."""
+    (default: where the CPU has bfloat16 arithmetic). `int8_activations`: int8 and int4 layers may
+    take activations rounded to int8 (AVX512-VNNI CPUs; kvik.model.quant.linear)."""
     name = str(dtype).removeprefix("torch.")
     report = TransformReport(str(device), name, weights.describe() if weights else name)
     loaded_kinds = sorted({m.kind for m in model.modules() if isinstance(m, WeightOnlyLinear)})
@@ -103,6 +104,9 @@ def optimize_for_inference(model: nn.Module, device: torch.device, dtype: torch.
         report.swapped_modules = swap_cpu_modules(model, kernels)
     elif device.type == "cpu" and weights is not None:
         report.notes.append("no compiled kernels: quantized weights are dequantized by PyTorch ops")
+    for module in model.modules():
+        if isinstance(module, WeightOnlyLinear) and module.kernel_weight() is not None:
+            module.kernel_weight().allow_int8_activations = int8_activations
     report.int8_activation_linears = sum(
         1 for m in model.modules()
         if isinstance(m, WeightOnlyLinear) and m.kernel_weight() is not None and m.kernel_weight().int8_activations())

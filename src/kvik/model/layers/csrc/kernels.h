@@ -51,6 +51,9 @@ struct LinearWeight {
   // (value = (nibble - 8) * scale).
   at::Tensor data, scales, offsets;
   int64_t group = 0;  // int4: input elements per scale
+  // int8 / int4: may multiply int8-rounded activations where the CPU has AVX512-VNNI (the engine's
+  // --activations; set_int8_activations(false) turns it off for every weight).
+  bool allow_int8_activations = true;
   c10::optional<at::Tensor> bias;
 
   // y = x W^T + b for a float32 (rows, in_features) x. Weight-only formats dequantize in registers

@@ -470,6 +470,7 @@ void block_int8_vnni(const int8_t* w, const float* scales, const uint8_t* codes,
 // which in a per-element loop cost more than the arithmetic).
 struct WeightView {
   int64_t format, in_features, group, groups;
+  bool allow_int8_activations;
   const void* data;
   const float* scales_f32;  // int8
   const c10::Half* scales_f16;  // int4
@@ -477,7 +478,8 @@ struct WeightView {
 
   explicit WeightView(const kvik::LinearWeight& w)
       : format(w.format), in_features(w.in_features), group(w.group),
-        groups(w.format == kvik::kInt4 ? (w.in_features + w.group - 1) / w.group : 0), data(w.data.data_ptr()),
+        groups(w.format == kvik::kInt4 ? (w.in_features + w.group - 1) / w.group : 0),
+        allow_int8_activations(w.allow_int8_activations), data(w.data.data_ptr()),
         scales_f32(w.format == kvik::kInt8 ? w.scales.data_ptr<float>() : nullptr),
         scales_f16(w.format == kvik::kInt4 ? w.scales.data_ptr<c10::Half>() : nullptr),
         offsets(w.offsets.defined() ? w.offsets.data_ptr<c10::Half>() : nullptr) {}
@@ -591,11 +593,13 @@ void run_block(const WeightView& v, int64_t block, const float* x, int64_t rows,
   (void)vector;
 }
 
-// Whether this weight runs on int8 activations: the CPU has the instructions, nothing turned them
-// off, and the inputs come in whole blocks of 32 (and int4 groups in whole blocks).
+// Whether this weight runs on int8 activations: the CPU has the instructions, neither the weight nor
+// the process turned them off, and the inputs come in whole blocks of 32 (and int4 groups in whole
+// blocks).
 bool int8_dot(const WeightView& v) {
 #if KVIK_INT8_DOT
-  if (!int8_activations.load(std::memory_order_relaxed) || portable_only.load(std::memory_order_relaxed))
+  if (!v.allow_int8_activations || !int8_activations.load(std::memory_order_relaxed) ||
+      portable_only.load(std::memory_order_relaxed))
     return false;
   if (v.in_features % kActBlock != 0) return false;
   return v.format == kvik::kInt8 || (v.format == kvik::kInt4 && v.group % kActBlock == 0);
