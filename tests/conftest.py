@@ -38,9 +38,10 @@ def tiny_llama(model_dir_factory) -> Path:
 @pytest.fixture
 def float_activations(monkeypatch):
     """int8 and int4 layers on float32 activations (the weight-only kernels) for this test, also on
-    CPUs with AVX512-VNNI, where they otherwise round activations to int8: for tests that compare
-    with a float reference (HF transformers, plain PyTorch) token for token. The rounding itself is
-    tested against its own reference in tests/model/test_quant_kernels.py."""
+    CPUs with AVX512-VNNI, where they otherwise round activations to int8 (with --quantization, or
+    --activations int8): for tests that compare with a float reference (HF transformers, plain
+    PyTorch) token for token. The rounding itself is tested against its own reference in
+    tests/model/test_quant_kernels.py."""
     from kvik.model.layers.cpu_kernels import cpu_kernels
 
     default = os.environ.get("KVIK_INT8_ACTIVATIONS", "1") != "0"

@@ -90,8 +90,8 @@ def test_q4_1_layers_served_as_int4_agree_with_the_file_dequantized_to_float32(f
     assert all(m.kind == "int4" and m.group_size == 32 and m.offsets is not None for m in int4)
     assert sum(m.nbytes for m in int4) / sum(m.in_features * m.out_features for m in int4) == 0.625
     # Q4_1's d and m are float16 already, so the weights are the same; the int4 kernel sums in
-    # another order. Measured: 8 of 8 replies identical. (On int8-rounded activations, the default on
-    # AVX512-VNNI CPUs, 3 of 8 48-token replies stay identical to the end: bench/quant_accuracy.py
-    # measures that path's perplexity and agreement.)
+    # another order. Measured: 8 of 8 replies identical. (On int8-rounded activations, --activations
+    # int8 on AVX512-VNNI CPUs, 3 of 8 48-token replies stay identical to the end:
+    # bench/quant_accuracy.py measures that path's perplexity and agreement.)
     same = sum(a == b for a, b in zip(replies["auto"], replies["float32"]))
     assert same >= len(PROMPTS) - 1, f"{same} of {len(PROMPTS)} replies equal"

@@ -6,8 +6,8 @@ token shrink with the format). Larger batches (prefill) are bound by arithmetic,
 weight is widened into a float32 matrix once per call and multiplied by the BLAS GEMM, or, on CPUs
 with bfloat16 arithmetic, by oneDNN's bfloat16 GEMM. On CPUs with AVX512-VNNI, int8 and int4 weights
 instead multiply activations rounded to int8 in integer arithmetic, at every batch size (faster than
-both paths above, for decode and prefill alike), unless `enable_kernels(int8_activations=False)`
-(the engine's `--activations float32`) or `kernels.set_int8_activations(False)` turns it off. Without the kernels (CUDA, or no compiler) the weight is dequantized with PyTorch ops on every
+both paths above, for decode and prefill alike), unless the weight's `allow_int8_activations` (the
+engine's `--activations`) or `kernels.set_int8_activations(False)` turns it off. Without the kernels (CUDA, or no compiler) the weight is dequantized with PyTorch ops on every
 call and multiplied in the input's dtype: correct everywhere, fast nowhere.
 """
 
@@ -79,14 +79,13 @@ class WeightOnlyLinear(nn.Module):
 
     # -- kernels --
 
-    def enable_kernels(self, kernels: Any, bf16_gemm: bool = False, int8_activations: bool = True) -> None:
+    def enable_kernels(self, kernels: Any, bf16_gemm: bool = False) -> None:
         """Run on kvik's compiled CPU kernels; with bf16_gemm, large batches multiply in bfloat16
-        (for CPUs with AVX512-BF16 / AMX); int8_activations lets int8/int4 weights take activations
-        rounded to int8 where the CPU has AVX512-VNNI (else float32)."""
+        (for CPUs with AVX512-BF16 / AMX). int8/int4 weights take int8-rounded activations where the
+        CPU has AVX512-VNNI unless `kernel_weight().allow_int8_activations` is set to False."""
         self._kernel = kernels.LinearWeight.weight_only(
             FORMAT_CODES[self.kind], self.data, self.scales, self.offsets, self.out_features,
             self.in_features, self.group_size, self.bias)
-        self._kernel.allow_int8_activations = int8_activations
         self._bf16_gemm = bf16_gemm
 
     def kernel_weight(self) -> Any:
