@@ -41,3 +41,21 @@ def test_every_ratio_reads_greater_than_one_when_kvik_is_ahead():
                       "served c=1 TTFT p99, ms": 5.0, "served c=1 TPOT p50, ms": 2.0}
     printed = "\n".join(format_result(result))
     assert "ref-f32.gguf" in printed and "1.50x" in printed
+
+
+def test_ratios_are_plotted_per_model(tmp_path):
+    """The run ends with a plot of every ratio per model and pair (the figures people look at)."""
+    pytest.importorskip("matplotlib")
+    from kvik.bench.llamacpp.harness import plot_ratios, target
+
+    served = {"1": {"p50_ttft_ms": 50.0, "p99_ttft_ms": 80.0, "p50_tpot_ms": 10.0}}
+    results = [{"model": model, "pair": pair, "gguf": f"/x/{model}.gguf",
+                "kvik": {"decode_tokens_per_second": 90.0, "prompt_tokens_per_second": 1500.0,
+                         "offline": {"tokens_per_second": 1000.0}, "served": served},
+                "llamacpp": {"decode_tokens_per_second": 60.0, "prompt_tokens_per_second": 1000.0,
+                             "offline": {"tokens_per_second": 500.0}, "served": served}}
+               for model in ("reference", "smollm2") for pair in PAIRS[:2]]
+    out = plot_ratios(results, tmp_path / "ratios.svg")
+    text = out.read_text()
+    assert text.startswith("<?xml") and "reference, same GGUF file" in text and "smollm2" in text
+    assert target("decode tg128, tok/s") == 1.1 and target("served c=1 TTFT p50, ms") == 1.5

@@ -100,6 +100,50 @@ def format_result(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def target(measure: str) -> float:
+    """Issue 12's bar for a measure: 1.1x single-stream (decode, 512-token prompt), 1.5x offline and
+    served."""
+    return 1.1 if measure.startswith(("decode", "prompt")) else 1.5
+
+
+def plot_ratios(results: list[dict[str, Any]], out: Path) -> Path:
+    """One panel per model: each measure's kvik / llama.cpp ratio (> 1: kvik ahead) per precision pair,
+    on a log axis with 1.0 and the issue's targets drawn, so the rows that miss stand out."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FixedLocator, FormatStrFormatter, NullFormatter
+
+    models = list(dict.fromkeys(r["model"] for r in results))
+    figure, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 6.5), squeeze=False,
+                                constrained_layout=True)
+    for axis, model in zip(axes[0], models):
+        chosen = [r for r in results if r["model"] == model]
+        measures = [name for name, *_ in ratio_rows(chosen[0])]
+        height = 0.8 / len(chosen)
+        for index, result in enumerate(chosen):
+            ratios = [ratio for *_, ratio in ratio_rows(result)]
+            positions = [row + index * height for row in range(len(measures))]
+            axis.barh(positions, ratios, height=height, label=result["pair"]["name"])
+        for row, measure in enumerate(measures):
+            axis.plot([target(measure)] * 2, [row - height / 2, row + 0.8 - height / 2], color="black",
+                      linestyle=":", linewidth=1)
+        axis.axvline(1.0, color="black", linewidth=1)
+        axis.set_xscale("log")
+        axis.xaxis.set_major_locator(FixedLocator([0.5, 0.75, 1, 1.1, 1.5, 2, 3, 4]))
+        axis.xaxis.set_major_formatter(FormatStrFormatter("%g"))
+        axis.xaxis.set_minor_formatter(NullFormatter())
+        axis.set_yticks([row + 0.4 - height / 2 for row in range(len(measures))], measures)
+        axis.invert_yaxis()
+        axis.set_xlabel("kvik / llama.cpp (> 1: kvik ahead; dotted: the issue's target)")
+        axis.set_title(f"{model}, same GGUF file for both engines")
+        axis.legend(loc="lower right")
+    figure.savefig(out)
+    plt.close(figure)
+    return out
+
+
 def run_harness(config: HarnessConfig) -> dict[str, Any]:
     config.out_dir.mkdir(parents=True, exist_ok=True)
     results = [run_pair(config, label, model, pair)
@@ -111,5 +155,6 @@ def run_harness(config: HarnessConfig) -> dict[str, Any]:
                          "models": {k: str(v) for k, v in config.models.items()}},
               "results": results, "printed": lines}
     (config.out_dir / "llamacpp.json").write_text(json.dumps(report, indent=1, default=str))
+    print(f"ratios plotted in {plot_ratios(results, config.out_dir / 'llamacpp.svg')}")
     return report
 
