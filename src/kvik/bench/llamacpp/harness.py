@@ -155,6 +155,9 @@ def run_harness(config: HarnessConfig) -> dict[str, Any]:
                          "models": {k: str(v) for k, v in config.models.items()}},
               "results": results, "printed": lines}
     (config.out_dir / "llamacpp.json").write_text(json.dumps(report, indent=1, default=str))
-    print(f"ratios plotted in {plot_ratios(results, config.out_dir / 'llamacpp.svg')}")
+    try:
+        print(f"ratios plotted in {plot_ratios(results, config.out_dir / 'llamacpp.svg')}")
+    except ImportError:  # matplotlib comes with kvik[train]; the figures are in the JSON regardless
+        print("no plot: matplotlib is not installed (pip install 'kvik[train]')")
     return report
 
