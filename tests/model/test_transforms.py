@@ -90,10 +90,15 @@ def test_engine_args_validate_quantization_and_kv_dtype():
     parser = argparse.ArgumentParser()
     EngineArgs.add_cli_args(parser)
     args = parser.parse_args(["--model", "m", "--quantization", "int4", "--quantization-group-size", "128",
-                              "--quantization-zero-point", "--kv-cache-dtype", "int8"])
+                              "--quantization-zero-point", "--kv-cache-dtype", "int8", "--activations", "float32"])
     engine_args = EngineArgs.from_cli_args(args)
     assert (engine_args.quantization, engine_args.quantization_group_size, engine_args.quantization_zero_point,
-            engine_args.kv_cache_dtype) == ("int4", 128, True, "int8")
+            engine_args.kv_cache_dtype, engine_args.activations) == ("int4", 128, True, "int8", "float32")
+    assert EngineArgs.from_cli_args(parser.parse_args(["--model", "m"])).activations == "auto"
+    with pytest.raises(SystemExit):  # argparse names the choices
+        parser.parse_args(["--model", "m", "--activations", "int4"])
+    with pytest.raises(ConfigError, match="activations: expected a string"):
+        EngineArgs(model="m", activations=8)
 
 
 PROMPTS = [[5, 9, 13, 2, 7], [100, 3, 3, 41, 8, 9, 10, 11, 12, 13, 14], [7] * 23, [1, 2, 3, 4, 5, 6, 7, 8, 9]]
