@@ -77,6 +77,7 @@ def measure(model: str, engine_args: dict, passages, prompts, max_tokens: int) -
 
 
 def main(argv: list[str]) -> int:
+    from kvik.bench.quant import common_prefix
     from kvik.cli.demo_model import smollm2_gguf_path
     from kvik.core.tokenizer import Tokenizer
     from kvik.model.layers.cpu_kernels import cpu_kernels
@@ -114,8 +115,7 @@ def main(argv: list[str]) -> int:
         change = run["perplexity"] / reference["perplexity"] - 1
         bound = run["bound"]
         equal = sum(a == b for a, b in zip(run["replies"], reference["replies"]))
-        before = sum(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-                     for a, b in zip(run["replies"], reference["replies"]))
+        before = sum(common_prefix(a, b) for a, b in zip(run["replies"], reference["replies"]))
         total = sum(len(r) for r in reference["replies"])
         run.update(change=change, replies_equal=equal, tokens_before_difference=before,
                    reference_tokens=total)

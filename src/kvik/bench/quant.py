@@ -135,6 +135,11 @@ QUALITY_PROMPTS = [
 ]
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many tokens two generations share before their first difference."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def kv_quality(model: str, kv_dtypes: tuple[str, ...] = KV_DTYPES) -> dict[str, Any]:
     """Greedy agreement (48 tokens from each prompt) and prompt-logprob error of each KV dtype against
     the float32 cache, on a trained model."""
@@ -159,8 +164,7 @@ def kv_quality(model: str, kv_dtypes: tuple[str, ...] = KV_DTYPES) -> dict[str, 
             "greedy_equal": sum(a == b for a, b in zip(tokens, reference_tokens)),
             "prompts": len(QUALITY_PROMPTS),
             "tokens_before_first_difference": sum(
-                next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
-                for a, b in zip(tokens, reference_tokens)),
+                common_prefix(a, b) for a, b in zip(tokens, reference_tokens)),
             "logprob_error_mean": sum(errors) / len(errors),
             "logprob_error_max": max(errors),
         }
