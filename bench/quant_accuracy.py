@@ -27,7 +27,8 @@ import time
 FORMATS = [  # (name, engine arguments, whether int8 activations apply, perplexity bound vs float32)
     ("float32", {"dtype": "float32"}, False, None),
     ("bfloat16", {"dtype": "bfloat16"}, False, 0.005),
-    ("int8", {"quantization": "int8"}, True, 0.01),
+    ("int8 (groups of 32)", {"quantization": "int8"}, True, 0.01),
+    ("int8, per output channel", {"quantization": "int8", "quantization_group_size": 0}, True, 0.01),
     ("int4 (file's Q4_1 + int8 LM head)", {"quantization": "int4"}, True, 0.05),
     ("int4 (file's Q4_1, float LM head)", {}, True, 0.05),
     ("KV cache bfloat16", {"dtype": "float32", "kv_cache_dtype": "bfloat16"}, False, 0.005),

@@ -174,7 +174,9 @@ def test_lora_needs_enable_flag_and_a_llama_family_model(lora_base, trained_adap
 
 def test_quantized_int8_base_serves_adapters(lora_base, trained_adapters) -> None:
     """Adapters run in float32 on top of int8 weight-only linears: each prompt token's logprob is
-    HF + PEFT merged's (float32) within int8's error, far closer than to the base model's."""
+    HF + PEFT merged's (float32) within int8's own error (what the int8 base alone is off from the
+    float32 base, measured here: on this tiny random model one rounding can move a logprob by
+    0.1), and far closer to it than to the base model's."""
     import torch
     from tests.lora.helpers import merged_model
 
@@ -182,18 +184,22 @@ def test_quantized_int8_base_serves_adapters(lora_base, trained_adapters) -> Non
     llm = make_llm(lora_base, adapters, quantization="int8")
     prompt = [5, 17, 42, 99, 7, 3, 11, 250, 31, 8, 77, 140]
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+
+    def served(lora):
+        output = llm.generate([prompt], params, lora=lora)[0]
+        return torch.tensor([entry[token].logprob for entry, token in zip(output.prompt_logprobs[1:], prompt[1:])])
+
+    def reference(adapter):
+        with torch.no_grad():
+            logits = merged_model(lora_base, adapter)(torch.tensor([prompt])).logits[0, :-1]
+        return torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+
+    base = reference(None)
+    int8_error = (served(None) - base).abs().max().item()
     for name, path in adapters.items():
-        output = llm.generate([prompt], params, lora=name)[0]
-        got = torch.tensor([entry[token].logprob for entry, token in zip(output.prompt_logprobs[1:], prompt[1:])])
-
-        def reference(adapter):
-            with torch.no_grad():
-                logits = merged_model(lora_base, adapter)(torch.tensor([prompt])).logits[0, :-1]
-            return torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
-
-        adapted, base = reference(path), reference(None)
-        error, effect = (got - adapted).abs().max().item(), (adapted - base).abs().max().item()
-        assert error < 0.1 and effect > 5 * error, (name, error, effect)
+        adapted = reference(path)
+        error, effect = (served(name) - adapted).abs().max().item(), (adapted - base).abs().max().item()
+        assert error < 2 * int8_error + 0.02 and effect > 5 * error, (name, error, effect, int8_error)
 
 
 def test_adapter_that_cannot_be_reloaded_fails_its_request_alone(lora_base, trained_adapters, tmp_path) -> None:

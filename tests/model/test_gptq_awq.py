@@ -178,7 +178,7 @@ def test_layers_that_cannot_be_int4_fall_back_to_the_exact_dequantization(tiny_l
 
 
 @pytest.mark.parametrize("engine_args,precision", [
-    ({"quantization": "int8"}, "weights int8, "),
+    ({"quantization": "int8"}, "weights int8 (groups of 32), "),
     ({"dtype": "bfloat16"}, "weights bfloat16, "),
     ({"quantization": "int4", "quantization_group_size": 128},
      "weights int4 from the checkpoint (GPTQ, groups of 32, zero points; 8 linear layers), other linear "

@@ -79,6 +79,7 @@ def perplexity(path: Path, passages: list[list[int]], **engine_args) -> float:
 BOUNDS = [  # engine arguments, allowed perplexity increase over float32
     ({"dtype": "bfloat16"}, 0.005),
     ({"quantization": "int8"}, 0.01),
+    ({"quantization": "int8", "quantization_group_size": 0}, 0.01),  # a scale per output channel
     ({"quantization": "int4"}, 0.05),
     ({"quantization": "int4", "quantization_group_size": 32}, 0.05),
     ({"quantization": "int4", "quantization_group_size": 128, "quantization_zero_point": True}, 0.05),
@@ -111,7 +112,8 @@ def test_int8_greedy_agrees_with_float32(shakespeare):
     prompts = [p[:24] for p in passages] + [p[64:88] for p in passages]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     reference = [o.outputs[0].token_ids for o in LLM(str(path), show_progress=False).generate(prompts, params)]
-    for engine_args in ({"quantization": "int8"}, {"kv_cache_dtype": "int8"}, {"dtype": "bfloat16"}):
+    for engine_args in ({"quantization": "int8"}, {"quantization": "int8", "quantization_group_size": 0},
+                        {"kv_cache_dtype": "int8"}, {"dtype": "bfloat16"}):
         got = [o.outputs[0].token_ids for o in LLM(str(path), show_progress=False, **engine_args)
                .generate(prompts, params)]
         equal = sum(a == b for a, b in zip(got, reference))

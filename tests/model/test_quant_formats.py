@@ -32,6 +32,27 @@ def test_int8_matches_its_definition():
     assert torch.all(error <= q.scales[:, None] / 2 + 1e-7)
 
 
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_int8_with_groups_matches_its_definition(group_size):
+    columns = 200  # the last group is short
+    w = weight(24, columns, seed=group_size)
+    q = quantize_int8(w, group_size)
+    groups = -(-columns // group_size)
+    assert q.group_size == group_size and q.scales.shape == (24, groups) and q.scales.dtype == torch.float16
+    restored = dequantize_int8(q)
+    # Independent definition: per row and group, s = float16(max|w| / 127), q = round(w / s).
+    for row in (0, 3, 7, 23):
+        for g in range(groups):
+            part = w[row, g * group_size:(g + 1) * group_size]
+            s = float(torch.tensor(float(part.abs().max()) / 127).half())
+            assert float(q.scales[row, g]) == s
+            expected = torch.zeros_like(part) if s == 0 else torch.clamp(torch.round(part / s), -127, 127)
+            assert torch.equal(q.values[row, g * group_size:(g + 1) * group_size], expected.to(torch.int8))
+            assert torch.all((restored[row, g * group_size:(g + 1) * group_size] - part).abs() <= s / 2 * 1.01 + 1e-7)
+    # A scale per group is never worse than one per row: the row's step bounds every group's.
+    assert (restored - w).pow(2).mean() < (dequantize_int8(quantize_int8(w)) - w).pow(2).mean()
+
+
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 @pytest.mark.parametrize("zero_point", [False, True])
 def test_int4_matches_its_definition(group_size, zero_point):
@@ -79,6 +100,12 @@ def test_blocked_packing_round_trips(rows):
     data, scales = packing.pack_int8(q8)
     assert data.shape == (packing.num_blocks(rows), 70, 16) and scales.shape == (packing.num_blocks(rows) * 16,)
     back = packing.unpack_int8(data, scales, rows)
+    assert torch.equal(back.values, q8.values) and torch.equal(back.scales, q8.scales)
+
+    q8 = quantize_int8(w, 32)
+    data, scales = packing.pack_int8(q8)
+    assert scales.shape == (packing.num_blocks(rows), 3, 16) and scales.dtype == torch.float16
+    back = packing.unpack_int8(data, scales, rows, 32)
     assert torch.equal(back.values, q8.values) and torch.equal(back.scales, q8.scales)
 
     for zero_point in (False, True):

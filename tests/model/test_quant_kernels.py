@@ -23,8 +23,9 @@ def kernels():
 
 # What the kernels run with outside these tests (KVIK_INT8_ACTIVATIONS=0 turns int8 activations off).
 INT8_ACTIVATIONS_DEFAULT = os.environ.get("KVIK_INT8_ACTIVATIONS", "1") != "0"
-FORMATS = [("bfloat16", 0, False), ("int8", 0, False), ("int4", 32, False), ("int4", 64, True),
-           ("int4", 128, False)]
+FORMATS = [("bfloat16", 0, False), ("int8", 0, False),  # int8 group 0: a scale per output row
+           ("int8", 32, False), ("int8", 128, False),
+           ("int4", 32, False), ("int4", 64, True), ("int4", 128, False)]
 
 
 @pytest.fixture(params=["int8-activations", "vector", "portable"])
@@ -59,7 +60,7 @@ def test_weight_only_linear_matches_torch(kernels, code_path, kind, group, zero_
     packed buffers, and on the int8-rounded activations where the layer takes those."""
     torch.manual_seed(out_features + in_features)
     linear = torch.nn.Linear(in_features, out_features, bias=bias)
-    layer = WeightOnlyLinear.from_linear(linear, kind, group or 64, zero_point)
+    layer = WeightOnlyLinear.from_linear(linear, kind, group, zero_point)
     reference = layer.dequantize()  # PyTorch's own unpacking and dequantization
     layer.enable_kernels(kernels)
     widened = layer.kernel_weight().dequantize_transposed()  # the kernel's
@@ -83,7 +84,7 @@ def test_int8_activations_are_per_row_and_bounded(kernels, kind, group, zero_poi
     if "vnni" not in kernels.simd_isa():
         pytest.skip("this CPU has no AVX512-VNNI/VBMI")
     torch.manual_seed(7)
-    layer = WeightOnlyLinear.from_linear(torch.nn.Linear(576, 80), kind, group or 64, zero_point)
+    layer = WeightOnlyLinear.from_linear(torch.nn.Linear(576, 80), kind, group, zero_point)
     reference = layer.dequantize()
     layer.enable_kernels(kernels)
     x = torch.randn(37, 576)

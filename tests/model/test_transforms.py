@@ -81,8 +81,20 @@ def test_engine_args_validate_quantization_and_kv_dtype():
         EngineArgs(model="m", quantization="int4", quantization_group_size=48)
     with pytest.raises(ConfigError, match="kv_cache_dtype: 'fp8'"):
         EngineArgs(model="m", kv_cache_dtype="fp8")
-    with pytest.raises(ConfigError, match="apply to quantization='int4' only"):
+    with pytest.raises(ConfigError, match="zero_point applies to quantization='int4' only"):
         EngineArgs(model="m", quantization="int8", quantization_zero_point=True)
+    with pytest.raises(ConfigError, match="group_size applies to quantization='int4' or 'int8' only"):
+        EngineArgs(model="m", dtype="bfloat16", quantization_group_size=32)
+    with pytest.raises(ConfigError, match="0 \\(a scale per output channel\\) is for quantization='int8'"):
+        EngineArgs(model="m", quantization="int4", quantization_group_size=0)
+    # The group size's default is the format's: int4 64, int8 32 (0: a scale per output channel).
+    assert EngineArgs(model="m", quantization="int8", quantization_group_size=0).quantization_group_size == 0
+    from kvik.model.quant.scheme import QuantScheme
+
+    assert (QuantScheme("int4").group_size, QuantScheme("int8").group_size) == (64, 32)
+    assert QuantScheme("int8").describe() == "int8 (groups of 32)"
+    assert QuantScheme("int8", group_size=0).describe() == "int8 (per output channel)"
+    assert QuantScheme("int4", group_size=128).group_for("int8") == 32  # its LM head
     with pytest.raises(ConfigError, match="quantization_zero_point: expected true or false"):
         EngineArgs(model="m", quantization="int4", quantization_zero_point="yes")
     import argparse

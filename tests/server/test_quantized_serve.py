@@ -38,7 +38,7 @@ def test_serve_help_describes_the_precision_flags():
     for flag in ("--quantization {int8,int4}", "--quantization-group-size", "--quantization-zero-point",
                  "--kv-cache-dtype"):
         assert flag in text
-    assert "a scale per output channel" in text and "per token and head" in text
+    assert "llama.cpp's Q8_0 layout" in text and "per token and head" in text
 
 
 def test_a_gptq_checkpoint_is_served_as_int4_from_its_own_codes(server_factory, tiny_llama, tmp_path_factory):

@@ -34,6 +34,7 @@ WEIGHT_FORMATS: dict[str, dict[str, Any]] = {
     "float32": {"dtype": "float32"},
     "bfloat16": {"dtype": "bfloat16", "kv_cache_dtype": "float32"},
     "int8": {"quantization": "int8"},
+    "int8-channel": {"quantization": "int8", "quantization_group_size": 0},  # a scale per output channel
     "int4": {"quantization": "int4"},
     # The engine's defaults: a pre-quantized checkpoint's 4-bit layers as int4 from its own codes.
     "checkpoint": {},

@@ -26,6 +26,9 @@ PAIRS: list[dict[str, Any]] = [
     {"name": "f32 vs f32", "gguf": "f32", "kvik": {"dtype": "float32"}},
     {"name": "bf16 vs f16", "gguf": "f16", "kvik": {"dtype": "bfloat16"}},
     {"name": "int8 vs q8_0", "gguf": "q8_0", "kvik": {"quantization": "int8"}},
+    # int8's default is Q8_0's own layout (a scale per 32 inputs: kvik holds the file's weights
+    # exactly); this is int8 with a scale per output channel instead.
+    {"name": "int8-channel vs q8_0", "gguf": "q8_0", "kvik": {"quantization": "int8", "quantization_group_size": 0}},
     {"name": "int4 vs q4_0", "gguf": "q4_0", "kvik": {"quantization": "int4"}},
     {"name": "int4 vs q4_k_m", "gguf": "q4_k_m", "kvik": {"quantization": "int4"}},
 ]

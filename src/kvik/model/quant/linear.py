@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvik.model.quant import packing
-from kvik.model.quant.reference import (Int4Weight, Int8Weight, dequantize_int4, dequantize_int8,
-                                        quantize_int4, quantize_int8)
+from kvik.model.quant.reference import (INT8_DEFAULT_GROUP, Int4Weight, Int8Weight, dequantize_int4,
+                                        dequantize_int8, quantize_int4, quantize_int8)
 
 # csrc/kernels.h WeightFormat
 FORMAT_CODES = {"bfloat16": 1, "int8": 2, "int4": 3}
@@ -52,22 +52,25 @@ class WeightOnlyLinear(nn.Module):
         self._bf16_gemm = False
 
     @classmethod
-    def from_linear(cls, linear: nn.Module, kind: str, group_size: int = 64,
+    def from_linear(cls, linear: nn.Module, kind: str, group_size: int | None = None,
                     zero_point: bool = False) -> WeightOnlyLinear:
+        """`group_size`: inputs per scale; None takes the format's default (int4 64, int8 32; int8
+        takes 0 for a scale per output row)."""
         weight = linear.weight.detach()
         bias = None if linear.bias is None else linear.bias.detach().float().clone()
         if kind == "bfloat16":
             return cls(kind, linear.in_features, linear.out_features, packing.pack_bfloat16(weight), bias=bias)
         if kind == "int8":
-            return cls.from_int8(quantize_int8(weight), bias)
-        return cls.from_int4(quantize_int4(weight, group_size, zero_point), bias)
+            return cls.from_int8(quantize_int8(weight, INT8_DEFAULT_GROUP if group_size is None else group_size), bias)
+        return cls.from_int4(quantize_int4(weight, group_size or 64, zero_point), bias)
 
     @classmethod
     def from_int8(cls, q: Int8Weight, bias: torch.Tensor | None = None) -> WeightOnlyLinear:
-        """From values (N, K) int8 and per-row float32 scales (a loader's hook for int8 checkpoints)."""
+        """From values (N, K) int8 and float32 scales per row or float16 scales per group (a loader's
+        hook for int8 checkpoints, GGUF Q8_0 among them)."""
         data, scales = packing.pack_int8(q)
         rows, columns = q.values.shape
-        return cls("int8", columns, rows, data, scales, bias=bias)
+        return cls("int8", columns, rows, data, scales, group_size=q.group_size, bias=bias)
 
     @classmethod
     def from_int4(cls, q: Int4Weight, bias: torch.Tensor | None = None) -> WeightOnlyLinear:
@@ -99,7 +102,8 @@ class WeightOnlyLinear(nn.Module):
         if self.kind == "bfloat16":
             return packing.unpack_bfloat16(self.data, self.out_features).to(dtype)
         if self.kind == "int8":
-            return dequantize_int8(packing.unpack_int8(self.data, self.scales, self.out_features)).to(dtype)
+            unpacked8 = packing.unpack_int8(self.data, self.scales, self.out_features, self.group_size)
+            return dequantize_int8(unpacked8).to(dtype)
         unpacked = packing.unpack_int4(self.data, self.scales, self.offsets, self.out_features, self.group_size)
         return dequantize_int4(unpacked).to(dtype)
 
@@ -127,7 +131,7 @@ class WeightOnlyLinear(nn.Module):
                    if t is not None)
 
     def extra_repr(self) -> str:
-        group = f", group_size={self.group_size}" if self.kind == "int4" else ""
+        group = f", group_size={self.group_size}" if self.group_size else ""
         zero = ", zero_point=True" if self.offsets is not None else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"weights={self.kind}{group}{zero}, kernels={self._kernel is not None}")

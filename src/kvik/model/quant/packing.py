@@ -3,8 +3,8 @@
 Output rows are taken in blocks of BLOCK = 16 (the last block padded with zero rows); within a block
 the weights are stored input-major, (K, 16): the 16 rows' weights for input k side by side, so one
 vector load serves 16 outputs. int4 puts rows j and j + 8 of a block into the low and high nibble
-of byte j, (K, 8) bytes per block. Scales follow the rows: int8 (blocks * 16,) float32; int4
-(blocks, G, 16) float16, offsets alike.
+of byte j, (K, 8) bytes per block. Scales follow the rows: int8 per row (blocks * 16,) float32;
+int8 with groups and int4 (blocks, G, 16) float16, int4's offsets alike.
 
 `unpack_*` invert the packing exactly: the PyTorch path (CUDA, or no compiler) dequantizes from the
 packed buffers through them, so every device holds the same bytes.
@@ -53,12 +53,17 @@ def unpack_bfloat16(data: torch.Tensor, out_features: int) -> torch.Tensor:
 
 
 def pack_int8(q: Int8Weight) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> data (blocks, K, 16) int8, scales (blocks * 16,) float32 (zero for padded rows)."""
+    """-> data (blocks, K, 16) int8, scales (blocks * 16,) float32 per row (zero for padded rows)
+    or (blocks, G, 16) float16 per group."""
+    if q.group_size:
+        return to_blocks(q.values), to_blocks(q.scales)
     rows = num_blocks(q.values.shape[0]) * BLOCK
     return to_blocks(q.values), _pad_rows(q.scales.float(), rows).contiguous()
 
 
-def unpack_int8(data: torch.Tensor, scales: torch.Tensor, out_features: int) -> Int8Weight:
+def unpack_int8(data: torch.Tensor, scales: torch.Tensor, out_features: int, group_size: int = 0) -> Int8Weight:
+    if group_size:
+        return Int8Weight(from_blocks(data, out_features), from_blocks(scales, out_features), group_size)
     return Int8Weight(from_blocks(data, out_features), scales[:out_features])
 
 

@@ -25,7 +25,7 @@ def quantize_model(model: nn.Module, scheme: QuantScheme, kernels: Any = None,
             if not isinstance(child, nn.Linear):
                 continue
             kind = scheme.kind_for(child is lm_head)
-            layer = WeightOnlyLinear.from_linear(child, kind, scheme.group_size, scheme.zero_point)
+            layer = WeightOnlyLinear.from_linear(child, kind, scheme.group_for(kind), scheme.zero_point)
             if kernels is not None and child.weight.device.type == "cpu":
                 layer.enable_kernels(kernels, bf16_gemm=bf16_gemm and kind == "bfloat16")
             setattr(parent, name, layer)

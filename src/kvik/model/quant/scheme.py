@@ -12,7 +12,7 @@ from kvik.core.config import QUANTIZATIONS as QUANTIZATION_METHODS
 from kvik.core.errors import ConfigError
 
 from kvik.model.layers.kv_cache import kv_storage_dtype
-from kvik.model.quant.reference import INT4_GROUP_SIZES
+from kvik.model.quant.reference import INT4_GROUP_SIZES, INT8_DEFAULT_GROUP, INT8_GROUP_SIZES
 
 logger = logging.getLogger("kvik.model")
 
@@ -21,22 +21,29 @@ WEIGHT_KINDS = ("bfloat16", "int8", "int4")
 
 @dataclass(frozen=True, slots=True)
 class QuantScheme:
-    """Weight-only storage of every linear layer: bfloat16, int8 per output channel, or int4 per group.
+    """Weight-only storage of every linear layer: bfloat16, int8 per group of inputs (or per output
+    channel), or int4 per group.
 
-    The LM head of an int4 model is int8 by default (`lm_head_kind`): it is a single matrix whose
-    errors reach every logit directly, and at int8 it costs a few percent more bytes per token."""
+    The LM head of an int4 model is int8 by default (`lm_head_kind`, groups of 32): it is a single
+    matrix whose errors reach every logit directly, and at int8 it costs a few percent more bytes
+    per token."""
 
     kind: str
-    group_size: int = 64  # int4: inputs per scale (32, 64 or 128)
+    # Inputs per scale. None: the format's default, int4 64 and int8 32; int4 takes 32, 64 or 128,
+    # int8 those or 0 (a scale per output row).
+    group_size: int | None = None
     zero_point: bool = False  # int4: asymmetric, with a zero point per group
     lm_head_kind: str | None = None  # None: int8 for int4 models, else `kind`
 
     def __post_init__(self) -> None:
         if self.kind not in WEIGHT_KINDS:
             raise ConfigError(f"weight format {self.kind!r} is not one of {', '.join(WEIGHT_KINDS)}")
-        if self.kind == "int4" and self.group_size not in INT4_GROUP_SIZES:
-            raise ConfigError(f"quantization_group_size: int4 group size {self.group_size} is not one of "
-                              f"{INT4_GROUP_SIZES}")
+        if self.group_size is None:
+            object.__setattr__(self, "group_size", {"int4": 64, "int8": INT8_DEFAULT_GROUP}.get(self.kind, 0))
+        sizes = {"int4": INT4_GROUP_SIZES, "int8": INT8_GROUP_SIZES}.get(self.kind, (0,))
+        if self.group_size not in sizes:
+            raise ConfigError(f"quantization_group_size: {self.kind} group size {self.group_size} is not one of "
+                              f"{sizes}")
         if self.lm_head_kind is not None and self.lm_head_kind not in WEIGHT_KINDS:
             raise ConfigError(f"LM head format {self.lm_head_kind!r} is not one of {', '.join(WEIGHT_KINDS)}")
 
@@ -45,7 +52,15 @@ class QuantScheme:
             return self.lm_head_kind or ("int8" if self.kind == "int4" else self.kind)
         return self.kind
 
+    def group_for(self, kind: str) -> int:
+        """Inputs per scale of a layer stored as `kind` (an int4 model's int8 LM head: int8's default)."""
+        if kind == self.kind:
+            return self.group_size
+        return INT8_DEFAULT_GROUP if kind == "int8" else 0
+
     def describe(self) -> str:
+        if self.kind == "int8":
+            return f"int8 (groups of {self.group_size})" if self.group_size else "int8 (per output channel)"
         if self.kind != "int4":
             return self.kind
         zero = "zero points" if self.zero_point else "symmetric"
@@ -106,7 +121,7 @@ def cpu_has_native_bf16() -> bool:
 
 
 def resolve_precision(device: torch.device, dtype: torch.dtype, *, quantization: str | None = None,
-                      group_size: int = 64, zero_point: bool = False,
+                      group_size: int | None = None, zero_point: bool = False,
                       kv_cache_dtype: str = "auto") -> Precision:
     """The precision a model runs in on `device` when the user asked for `dtype` and `quantization`.
 

@@ -46,11 +46,12 @@ struct LinearWeight {
   // kPackedFloat32: oneDNN's buffer address (kept alive by the Python module), its block and stride.
   int64_t address = 0, in_stride = 0, block = 0;
   // Weight-only formats: data (blocks, in_features, 16) bf16 / int8 or (blocks, in_features, 8) uint8
-  // for int4; scales (blocks * 16,) float32 for int8, (blocks, groups, 16) float16 for int4;
+  // for int4; scales (blocks * 16,) float32 for int8 per row, (blocks, groups, 16) float16 for int4
+  // and for int8 with a group size;
   // offsets like scales for int4 with zero points (value = nibble * scale + offset), else undefined
   // (value = (nibble - 8) * scale).
   at::Tensor data, scales, offsets;
-  int64_t group = 0;  // int4: input elements per scale
+  int64_t group = 0;  // int4, int8 with groups: input elements per scale (int8 per row: 0)
   // int8 / int4: may multiply int8-rounded activations where the CPU has AVX512-VNNI (the engine's
   // --activations; set_int8_activations(false) turns it off for every weight).
   bool allow_int8_activations = true;

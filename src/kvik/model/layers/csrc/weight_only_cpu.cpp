@@ -9,7 +9,8 @@
 // for each input element k, the 16 weights of its rows side by side (input-major). One load then
 // feeds 16 accumulators per row of x, with no horizontal sums, and each block is one sequential
 // stream. int4 packs output rows j and j + 8 of a block into the low and high nibble of byte j;
-// its scales (and offsets) are per group of `group` input elements and per row, float16.
+// its scales (and offsets) are per group of `group` input elements and per row, float16. int8 has a
+// float32 scale per row (group 0) or, like int4, a float16 one per row and group.
 //
 // Instruction sets: the package ships sources, built with -march=native on the machine at first use
 // (cpu_kernels.py), so the build sees the CPU it runs on. Where that CPU has AVX2, FMA and F16C
@@ -99,6 +100,32 @@ void block_int8(const int8_t* w, const float* scales, const float* x, int64_t x_
   }
   for (int m = 0; m < M; ++m)
     for (int j = 0; j < kBlock; ++j) out[m][j] = acc[m][j] * scales[j];
+}
+
+// int8 with a scale per group of inputs: each group's products summed unscaled, then scaled.
+template <int M>
+void block_int8_grouped(const int8_t* w, const c10::Half* scales, const float* x, int64_t x_stride, int64_t groups,
+                        int64_t in_features, int64_t group, float (&out)[kRows][kBlock]) {
+  float total[M][kBlock] = {};
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t first = g * group, last = std::min(in_features, first + group);
+    float acc[M][kBlock] = {};
+    for (int64_t k = first; k < last; ++k) {
+      const int8_t* wk = w + k * kBlock;
+      float wf[kBlock];
+#pragma omp simd
+      for (int j = 0; j < kBlock; ++j) wf[j] = static_cast<float>(wk[j]);
+      for (int m = 0; m < M; ++m) {
+        const float xv = x[m * x_stride + k];
+#pragma omp simd
+        for (int j = 0; j < kBlock; ++j) acc[m][j] += wf[j] * xv;
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      for (int j = 0; j < kBlock; ++j) total[m][j] += acc[m][j] * static_cast<float>(scales[g * kBlock + j]);
+  }
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < kBlock; ++j) out[m][j] = total[m][j];
 }
 
 // Per group the nibbles' products are summed unscaled; the group's scale and offset are applied
@@ -294,6 +321,23 @@ void block_int4_avx2(const uint8_t* w, const c10::Half* scales, const c10::Half*
   store_rows<M>(total, out);
 }
 
+template <int M>
+void block_int8_grouped_avx2(const int8_t* w, const c10::Half* scales, const float* x, int64_t x_stride,
+                             int64_t groups, int64_t in_features, int64_t group, float (&out)[kRows][kBlock]) {
+  __m256 total[M][2];
+  for (int m = 0; m < M; ++m) total[m][0] = total[m][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256 acc[M][2];
+    dot_avx2<WidenInt8, M>(w, x, x_stride, g * group, std::min(in_features, (g + 1) * group), acc);
+    const __m256 scale_lo = load_halves(scales + g * kBlock), scale_hi = load_halves(scales + g * kBlock + 8);
+    for (int m = 0; m < M; ++m) {
+      total[m][0] = _mm256_fmadd_ps(acc[m][0], scale_lo, total[m][0]);
+      total[m][1] = _mm256_fmadd_ps(acc[m][1], scale_hi, total[m][1]);
+    }
+  }
+  store_rows<M>(total, out);
+}
+
 #endif  // KVIK_WEIGHT_ONLY_AVX2
 
 #if KVIK_INT8_DOT
@@ -434,33 +478,46 @@ void block_int4_vnni(const uint8_t* w, const c10::Half* scales, const c10::Half*
 
 // The same for int8 weights (signed) and codes stored plus 128: per block of 32 inputs,
 // sum (q + 128) w = sum q w + 128 sum w, and the weight sum comes from one more vpdpbusd with ones.
-template <int M>
-void block_int8_vnni(const int8_t* w, const float* scales, const uint8_t* codes, int64_t in_features,
-                     const float* act_scales, float (*out)[kBlock]) {
+// Scales per row (kGrouped false: one group spanning every block, `row_scales` applied at the end)
+// or per group of `group` inputs (float16, applied at each group's end).
+template <int M, bool kGrouped>
+void block_int8_vnni(const int8_t* w, const float* row_scales, const c10::Half* group_scales, const uint8_t* codes,
+                     int64_t in_features, const float* act_scales, int64_t group, float (*out)[kBlock]) {
   const __m512i index = _mm512_load_si512(kLaneIndex.int8), ones = _mm512_set1_epi8(1);
-  const int64_t blocks = in_features / kActBlock;
+  const int64_t blocks = in_features / kActBlock, per_group = kGrouped ? group / kActBlock : blocks;
   __m512 total[M];
   for (int m = 0; m < M; ++m) total[m] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    __m512i acc[M], sums = _mm512_setzero_si512();
-    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_si512();
+  for (int64_t first = 0, g = 0; first < blocks; first += per_group, ++g) {
+    __m512 partial[M];
+    for (int m = 0; m < M; ++m) partial[m] = _mm512_setzero_ps();
+    for (int64_t b = first; b < std::min(blocks, first + per_group); ++b) {
+      __m512i acc[M], sums = _mm512_setzero_si512();
+      for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_si512();
 #pragma GCC unroll 8
-    for (int step = 0; step < 8; ++step) {
-      const int64_t k = b * kActBlock + step * 4;
-      const int8_t* wk = w + k * kBlock;
-      __builtin_prefetch(wk + kPrefetchBytes, 0, 1);
-      const __m512i wv = _mm512_permutexvar_epi8(index, _mm512_loadu_si512(wk));
-      sums = _mm512_dpbusd_epi32(sums, ones, wv);
+      for (int step = 0; step < 8; ++step) {
+        const int64_t k = b * kActBlock + step * 4;
+        const int8_t* wk = w + k * kBlock;
+        __builtin_prefetch(wk + kPrefetchBytes, 0, 1);
+        const __m512i wv = _mm512_permutexvar_epi8(index, _mm512_loadu_si512(wk));
+        sums = _mm512_dpbusd_epi32(sums, ones, wv);
 #pragma GCC unroll 4
+        for (int m = 0; m < M; ++m)
+          acc[m] = _mm512_dpbusd_epi32(acc[m], broadcast4(codes + m * in_features + k), wv);
+      }
+      const __m512i correction = _mm512_slli_epi32(sums, 7);
       for (int m = 0; m < M; ++m)
-        acc[m] = _mm512_dpbusd_epi32(acc[m], broadcast4(codes + m * in_features + k), wv);
+        partial[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[m], correction)),
+                                     _mm512_set1_ps(act_scales[m * blocks + b]), partial[m]);
     }
-    const __m512i correction = _mm512_slli_epi32(sums, 7);
-    for (int m = 0; m < M; ++m)
-      total[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[m], correction)),
-                                 _mm512_set1_ps(act_scales[m * blocks + b]), total[m]);
+    if (kGrouped) {
+      const __m512 scale =
+          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(group_scales + g * kBlock)));
+      for (int m = 0; m < M; ++m) total[m] = _mm512_fmadd_ps(partial[m], scale, total[m]);
+    } else {
+      for (int m = 0; m < M; ++m) total[m] = partial[m];
+    }
   }
-  const __m512 scale = _mm512_loadu_ps(scales);
+  const __m512 scale = kGrouped ? _mm512_set1_ps(1.f) : _mm512_loadu_ps(row_scales);
   for (int m = 0; m < M; ++m) _mm512_storeu_ps(out[m], _mm512_mul_ps(total[m], scale));
 }
 
@@ -472,17 +529,22 @@ struct WeightView {
   int64_t format, in_features, group, groups;
   bool allow_int8_activations;
   const void* data;
-  const float* scales_f32;  // int8
-  const c10::Half* scales_f16;  // int4
+  const float* scales_f32;  // int8 per row
+  const c10::Half* scales_f16;  // int4, int8 per group
   const c10::Half* offsets;  // int4 with zero points, else null
 
   explicit WeightView(const kvik::LinearWeight& w)
       : format(w.format), in_features(w.in_features), group(w.group),
-        groups(w.format == kvik::kInt4 ? (w.in_features + w.group - 1) / w.group : 0),
+        groups(grouped(w) ? (w.in_features + w.group - 1) / w.group : 0),
         allow_int8_activations(w.allow_int8_activations), data(w.data.data_ptr()),
-        scales_f32(w.format == kvik::kInt8 ? w.scales.data_ptr<float>() : nullptr),
-        scales_f16(w.format == kvik::kInt4 ? w.scales.data_ptr<c10::Half>() : nullptr),
+        scales_f32(w.format == kvik::kInt8 && !grouped(w) ? w.scales.data_ptr<float>() : nullptr),
+        scales_f16(grouped(w) ? w.scales.data_ptr<c10::Half>() : nullptr),
         offsets(w.offsets.defined() ? w.offsets.data_ptr<c10::Half>() : nullptr) {}
+
+  // Scales per group of inputs: int4 always, int8 when it has a group size.
+  static bool grouped(const kvik::LinearWeight& w) {
+    return w.format == kvik::kInt4 || (w.format == kvik::kInt8 && w.group > 0);
+  }
 };
 
 // The 16 weights of input k of a block, dequantized: row[j] for output block * 16 + j.
@@ -492,8 +554,10 @@ inline void dequantize_row(const WeightView& v, int64_t block, int64_t k, float 
     for (int j = 0; j < kBlock; ++j) row[j] = bf16_to_float(w[j]);
   } else if (v.format == kvik::kInt8) {
     const auto* w = static_cast<const int8_t*>(v.data) + (block * v.in_features + k) * kBlock;
-    const float* s = v.scales_f32 + block * kBlock;
-    for (int j = 0; j < kBlock; ++j) row[j] = static_cast<float>(w[j]) * s[j];
+    for (int j = 0; j < kBlock; ++j)
+      row[j] = static_cast<float>(w[j]) *
+               (v.scales_f32 ? v.scales_f32[block * kBlock + j]
+                             : static_cast<float>(v.scales_f16[(block * v.groups + k / v.group) * kBlock + j]));
   } else {
     const auto* w = static_cast<const uint8_t*>(v.data) + (block * v.in_features + k) * (kBlock / 2);
     const int64_t at = (block * v.groups + k / v.group) * kBlock;
@@ -513,8 +577,14 @@ inline void dequantize_row_avx2(const WeightView& v, int64_t block, int64_t k, f
     WidenBF16::widen(static_cast<const uint16_t*>(v.data) + (block * v.in_features + k) * kBlock, lo, hi);
   } else if (v.format == kvik::kInt8) {
     WidenInt8::widen(static_cast<const int8_t*>(v.data) + (block * v.in_features + k) * kBlock, lo, hi);
-    lo = _mm256_mul_ps(lo, _mm256_loadu_ps(v.scales_f32 + block * kBlock));
-    hi = _mm256_mul_ps(hi, _mm256_loadu_ps(v.scales_f32 + block * kBlock + 8));
+    if (v.scales_f32) {
+      lo = _mm256_mul_ps(lo, _mm256_loadu_ps(v.scales_f32 + block * kBlock));
+      hi = _mm256_mul_ps(hi, _mm256_loadu_ps(v.scales_f32 + block * kBlock + 8));
+    } else {
+      const int64_t at = (block * v.groups + k / v.group) * kBlock;
+      lo = _mm256_mul_ps(lo, load_halves(v.scales_f16 + at));
+      hi = _mm256_mul_ps(hi, load_halves(v.scales_f16 + at + 8));
+    }
   } else {
     WidenInt4::widen(static_cast<const uint8_t*>(v.data) + (block * v.in_features + k) * (kBlock / 2), lo, hi);
     const int64_t at = (block * v.groups + k / v.group) * kBlock;
@@ -564,6 +634,16 @@ void run_block(const WeightView& v, int64_t block, const float* x, int64_t rows,
 #endif
       block_bf16<M>(w, x, in_features, in_features, out);
     });
+  } else if (v.format == kvik::kInt8 && v.scales_f16) {
+    const auto* w = static_cast<const int8_t*>(v.data) + block * in_features * kBlock;
+    const c10::Half* s = v.scales_f16 + block * groups * kBlock;
+    with_rows(rows, [&](auto m) {
+      constexpr int M = decltype(m)::value;
+#if KVIK_WEIGHT_ONLY_AVX2
+      if (vector) return block_int8_grouped_avx2<M>(w, s, x, in_features, groups, in_features, group, out);
+#endif
+      block_int8_grouped<M>(w, s, x, in_features, groups, in_features, group, out);
+    });
   } else if (v.format == kvik::kInt8) {
     const auto* w = static_cast<const int8_t*>(v.data) + block * in_features * kBlock;
     const float* s = v.scales_f32 + block * kBlock;
@@ -602,7 +682,7 @@ bool int8_dot(const WeightView& v) {
       portable_only.load(std::memory_order_relaxed))
     return false;
   if (v.in_features % kActBlock != 0) return false;
-  return v.format == kvik::kInt8 || (v.format == kvik::kInt4 && v.group % kActBlock == 0);
+  return (v.format == kvik::kInt8 || v.format == kvik::kInt4) && v.group % kActBlock == 0;
 #else
   (void)v;
   return false;
@@ -619,7 +699,11 @@ void run_block_int8_dot(const WeightView& v, int64_t block, const QuantizedRows&
   if (v.format == kvik::kInt8) {
     const auto* w = static_cast<const int8_t*>(v.data) + block * in_features * kBlock;
     with_rows(rows, [&](auto m) {
-      block_int8_vnni<decltype(m)::value>(w, v.scales_f32 + block * kBlock, codes, in_features, act_scales, out);
+      constexpr int M = decltype(m)::value;
+      if (v.scales_f16)
+        return block_int8_vnni<M, true>(w, nullptr, v.scales_f16 + block * v.groups * kBlock, codes, in_features,
+                                        act_scales, v.group, out);
+      block_int8_vnni<M, false>(w, v.scales_f32 + block * kBlock, nullptr, codes, in_features, act_scales, 0, out);
     });
     return;
   }
@@ -648,9 +732,16 @@ void check_linear_weight(const LinearWeight& weight) {
   TORCH_CHECK(weight.data.numel() == blocks * weight.in_features * per_input,
               "weight data has ", weight.data.numel(), " elements, expected ",
               blocks * weight.in_features * per_input);
-  if (weight.format == kvik::kInt8) {
+  TORCH_CHECK(weight.group >= 0, "group size must not be negative");
+  if (weight.format == kvik::kInt8 && weight.group == 0) {
     TORCH_CHECK(weight.scales.scalar_type() == at::kFloat && weight.scales.numel() == blocks * kBlock,
                 "int8 scales: float32, one per padded output row");
+    TORCH_CHECK(!weight.offsets.defined(), "int8 weights have no offsets");
+  } else if (weight.format == kvik::kInt8) {
+    const int64_t groups = (weight.in_features + weight.group - 1) / weight.group;
+    TORCH_CHECK(weight.scales.scalar_type() == at::kHalf && weight.scales.numel() == blocks * groups * kBlock,
+                "int8 scales with groups: float16 (blocks, groups, 16)");
+    TORCH_CHECK(!weight.offsets.defined(), "int8 weights have no offsets");
   } else if (weight.format == kvik::kInt4) {
     TORCH_CHECK(weight.group > 0, "int4 needs a group size");
     const int64_t groups = (weight.in_features + weight.group - 1) / weight.group;
@@ -709,7 +800,7 @@ at::Tensor weight_only_linear(const at::Tensor& x, const LinearWeight& weight) {
   }
 #endif
   // int4: each row's sum over each group of inputs, for the groups' offsets.
-  const int64_t groups = view.groups;
+  const int64_t groups = weight.format == kInt4 ? view.groups : 0;
   std::vector<float> x_sums;
   if (weight.format == kInt4) {
     x_sums.assign(rows * groups, 0.f);
