@@ -18,6 +18,7 @@ from kvik.core.tokenizer import Tokenizer
 from kvik.model.loader import load_model, load_model_config, resolve_model_path
 from kvik.model.quant import WeightOnlyLinear
 from kvik.model.quant.packing import unpack_int4
+from kvik.model.quant.reference import dequantize_int8, quantize_int8
 from kvik.model.weights import FLOAT_PIECE
 from tests.model.gguf_files import LlamaShape, write_llama_gguf
 
@@ -132,6 +133,30 @@ def test_greedy_output_equals_transformers_on_the_same_file(gguf_dir, weight_typ
         out = hf.generate(torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12,
                           do_sample=False, pad_token_id=0)
         assert ours == out[0, len(ids):].tolist(), prompt
+
+
+@torch.no_grad()
+def test_q8_0_files_are_served_as_int8_with_their_own_codes_and_scales(gguf_dir):
+    """Q8_0 is int8 with a float16 scale per 32 inputs: kvik's int8 with groups of 32 holds it
+    exactly (requantizing the file's weights gives them back bit for bit), so a Q8_0 file is served
+    in it by default, at a quarter of float32's bytes, with the output of transformers' float32."""
+    path = write_llama_gguf(gguf_dir / "served-Q8_0.gguf", Q.Q8_0, tied=False, seed=5)
+    matrices = {n: w for n, w in kvik_weights(path).items() if w.dim() == 2 and "embed" not in n}
+    assert len(matrices) == 7 * 2 + 1  # q, k, v, o, gate, up, down per layer; the LM head
+    for name, weight in matrices.items():
+        q = quantize_int8(weight, 32)
+        assert torch.equal(dequantize_int8(q), weight), name
+        assert int(q.values.abs().max()) == 127
+    llm = LLM(str(path), show_progress=False)
+    assert llm.engine.info.precision == "weights int8 (groups of 32), activations float32, KV cache float32"
+    hf = hf_from_gguf(path)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for prompt in ["The moon rose over the quiet hills", "Once upon a time"]:
+        ids = llm.engine.tokenizer.encode(prompt)
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
+        assert llm.generate([ids], params)[0].outputs[0].token_ids == out[0, len(ids):].tolist(), prompt
+    # An explicit dtype still dequantizes the file.
+    assert LLM(str(path), show_progress=False, dtype="float32").engine.info.precision.startswith("weights float32")
 
 
 def int4_modules(model) -> dict[str, WeightOnlyLinear]:

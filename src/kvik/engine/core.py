@@ -42,7 +42,7 @@ from kvik.engine.spec_decode import SpecDecoder, build_spec_decoder
 from kvik.engine.structured.matcher import GrammarBackend
 from kvik.engine.scheduling_policy import make_policy
 from kvik.model.lora import LoRAModel, enable_lora
-from kvik.model.loader import load_model, load_model_config, resolve_model_path
+from kvik.model.loader import checkpoint_int8_groups, load_model, load_model_config, resolve_model_path
 from kvik.model.models.registry import model_class as architecture_class
 from kvik.model.pooling import LAST, label_names, load_pooling_config
 from kvik.model.quant import int8_activations, keeps_checkpoint_int4, resolve_precision
@@ -59,15 +59,23 @@ class EngineCore:
         if args.threads:
             torch.set_num_threads(args.threads)
         self.device = select_device(args.device)
+        path = resolve_model_path(args.model, args.revision)
+        self.model_path = path
+        quantization, group_size = args.quantization, args.quantization_group_size
+        if quantization is None and args.dtype == "auto" and (q8_groups := checkpoint_int8_groups(path)):
+            # A Q8_0 GGUF is served in its own format (exactly: kvik.model.formats.gguf), as a
+            # GPTQ/AWQ/Q4 checkpoint keeps its int4 layers under auto.
+            quantization, group_size = "int8", q8_groups
+            logger.info("%s stores its linear weights as Q8_0: serving them as int8 with a scale per %d "
+                        "inputs, the file's own codes and scales (--dtype float32 dequantizes them)",
+                        path.name, q8_groups)
         # What runs in which dtype: on the CPU activations stay float32 and --dtype bfloat16 or
         # --quantization narrow the linear weights only (kvik.model.quant.resolve_precision).
         self.precision = resolve_precision(
-            self.device, select_dtype(args.dtype, self.device), quantization=args.quantization,
-            group_size=args.quantization_group_size, zero_point=args.quantization_zero_point,
+            self.device, select_dtype(args.dtype, self.device), quantization=quantization,
+            group_size=group_size, zero_point=args.quantization_zero_point,
             kv_cache_dtype=args.kv_cache_dtype)
         self.dtype = self.precision.compute_dtype
-        path = resolve_model_path(args.model, args.revision)
-        self.model_path = path
         self.model_config = cfg = load_model_config(path)
         self.tokenizer_spec = TokenizerSpec.from_pretrained(args.tokenizer or str(path), args.revision)
         model_class = architecture_class(cfg.architecture)

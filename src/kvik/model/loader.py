@@ -21,7 +21,8 @@ from torch import nn
 
 from kvik.core.errors import ConfigError, MissingWeightsError
 from kvik.model.config import ModelConfig, model_config_from_hf
-from kvik.model.formats.gguf import gguf_hf_config, gguf_prequantized_names, gguf_tensors, is_gguf_file
+from kvik.model.formats.gguf import (gguf_hf_config, gguf_prequantized_names, gguf_q8_0_linears, gguf_tensors,
+                                     is_gguf_file)
 from kvik.model.formats.safetensors_checkpoint import checkpoint_tensors, prequantized_names
 from kvik.model.models.registry import model_class
 from kvik.model.quant.linear import WeightOnlyLinear
@@ -107,6 +108,13 @@ def checkpoint_files(path: Path) -> list[Path]:
     has_bin = any(path.glob("*.bin")) or any(path.glob("*.pt"))
     hint = " (only PyTorch .bin files found; convert them to safetensors)" if has_bin else ""
     raise MissingWeightsError(f"{path}: no safetensors weights found{hint}")
+
+
+def checkpoint_int8_groups(path: Path) -> int:
+    """32 when the checkpoint's linear weights are int8 with a scale per 32 inputs (a GGUF file of
+    Q8_0 tensors), which kvik's `--quantization int8 --quantization-group-size 32` holds exactly;
+    else 0."""
+    return 32 if is_gguf_file(path) and gguf_q8_0_linears(path) else 0
 
 
 def load_model(path: Path, config: ModelConfig, device: torch.device, dtype: torch.dtype,

@@ -159,6 +159,16 @@ def _hf_name_of(reader: Any, arch: str, num_layers: int, expected: set[str]) -> 
     return mapping
 
 
+def gguf_q8_0_linears(path: Path) -> bool:
+    """Whether every 2-D tensor of the file but the token embedding is Q8_0 (what llama.cpp's
+    converter writes with --outtype q8_0). kvik then serves its linear layers as int8 with a float16
+    scale per 32 inputs: Q8_0's own layout, and requantizing Q8_0's dequantized weights to it gives
+    back the file's codes and scales exactly (the largest code of a block is +-127, so the scale
+    found is the block's d, and q * d / d = q in float32)."""
+    matrices = [t for t in open_gguf(path).tensors if len(t.shape) == 2 and t.name != "token_embd.weight"]
+    return bool(matrices) and all(t.tensor_type.name == "Q8_0" for t in matrices)
+
+
 def gguf_prequantized_names(path: Path, raw_config: dict[str, Any], expected: set[str]) -> set[str]:
     """HF names of the tensors `gguf_tensors(keep_int4=True)` yields as a PrequantizedWeight."""
     reader = open_gguf(path)
