@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Weight formats (float32, bfloat16, int8, int4) and KV cache dtypes side by side, in one run.
+"""Weight formats (float32, bfloat16, int8, int8 per output channel, int4) and KV cache dtypes side by
+side, in one run.
 
     python bench/quant_decode.py                            # the 125M reference model, 3 rounds
     python bench/quant_decode.py --rounds 2 --decode-tokens 64

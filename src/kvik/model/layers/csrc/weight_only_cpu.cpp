@@ -478,43 +478,39 @@ void block_int4_vnni(const uint8_t* w, const c10::Half* scales, const c10::Half*
 
 // The same for int8 weights (signed) and codes stored plus 128: per block of 32 inputs,
 // sum (q + 128) w = sum q w + 128 sum w, and the weight sum comes from one more vpdpbusd with ones.
-// Scales per row (kGrouped false: one group spanning every block, `row_scales` applied at the end)
-// or per group of `group` inputs (float16, applied at each group's end).
+// Scales per row (kGrouped false: `row_scales`, applied once at the end) or per group of `group`
+// inputs (float16 `group_scales`, folded into each block's activation scale: one multiply per block
+// and row, where a separate sum per group cost a prompt 10-20 %).
 template <int M, bool kGrouped>
 void block_int8_vnni(const int8_t* w, const float* row_scales, const c10::Half* group_scales, const uint8_t* codes,
                      int64_t in_features, const float* act_scales, int64_t group, float (*out)[kBlock]) {
   const __m512i index = _mm512_load_si512(kLaneIndex.int8), ones = _mm512_set1_epi8(1);
-  const int64_t blocks = in_features / kActBlock, per_group = kGrouped ? group / kActBlock : blocks;
+  const int64_t blocks = in_features / kActBlock, per_group = kGrouped ? group / kActBlock : 1;
   __m512 total[M];
   for (int m = 0; m < M; ++m) total[m] = _mm512_setzero_ps();
-  for (int64_t first = 0, g = 0; first < blocks; first += per_group, ++g) {
-    __m512 partial[M];
-    for (int m = 0; m < M; ++m) partial[m] = _mm512_setzero_ps();
-    for (int64_t b = first; b < std::min(blocks, first + per_group); ++b) {
-      __m512i acc[M], sums = _mm512_setzero_si512();
-      for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_si512();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512i acc[M], sums = _mm512_setzero_si512();
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_si512();
 #pragma GCC unroll 8
-      for (int step = 0; step < 8; ++step) {
-        const int64_t k = b * kActBlock + step * 4;
-        const int8_t* wk = w + k * kBlock;
-        __builtin_prefetch(wk + kPrefetchBytes, 0, 1);
-        const __m512i wv = _mm512_permutexvar_epi8(index, _mm512_loadu_si512(wk));
-        sums = _mm512_dpbusd_epi32(sums, ones, wv);
+    for (int step = 0; step < 8; ++step) {
+      const int64_t k = b * kActBlock + step * 4;
+      const int8_t* wk = w + k * kBlock;
+      __builtin_prefetch(wk + kPrefetchBytes, 0, 1);
+      const __m512i wv = _mm512_permutexvar_epi8(index, _mm512_loadu_si512(wk));
+      sums = _mm512_dpbusd_epi32(sums, ones, wv);
 #pragma GCC unroll 4
-        for (int m = 0; m < M; ++m)
-          acc[m] = _mm512_dpbusd_epi32(acc[m], broadcast4(codes + m * in_features + k), wv);
-      }
-      const __m512i correction = _mm512_slli_epi32(sums, 7);
       for (int m = 0; m < M; ++m)
-        partial[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[m], correction)),
-                                     _mm512_set1_ps(act_scales[m * blocks + b]), partial[m]);
+        acc[m] = _mm512_dpbusd_epi32(acc[m], broadcast4(codes + m * in_features + k), wv);
     }
-    if (kGrouped) {
-      const __m512 scale =
-          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(group_scales + g * kBlock)));
-      for (int m = 0; m < M; ++m) total[m] = _mm512_fmadd_ps(partial[m], scale, total[m]);
-    } else {
-      for (int m = 0; m < M; ++m) total[m] = partial[m];
+    const __m512i correction = _mm512_slli_epi32(sums, 7);
+    __m512 weight_scale = _mm512_set1_ps(1.f);
+    if (kGrouped)
+      weight_scale = _mm512_cvtph_ps(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group_scales + b / per_group * kBlock)));
+    for (int m = 0; m < M; ++m) {
+      const __m512 scale = kGrouped ? _mm512_mul_ps(weight_scale, _mm512_set1_ps(act_scales[m * blocks + b]))
+                                    : _mm512_set1_ps(act_scales[m * blocks + b]);
+      total[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[m], correction)), scale, total[m]);
     }
   }
   const __m512 scale = kGrouped ? _mm512_set1_ps(1.f) : _mm512_loadu_ps(row_scales);
