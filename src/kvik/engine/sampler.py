@@ -57,10 +57,13 @@ class Sampler:
             self.grammars.apply_masks(processed, constrained, [requests[i].grammar for i in constrained])
             self._reopen_end_of_sequence(processed, logits, [requests[i] for i in constrained], constrained)
 
-        chosen = torch.empty(rows, dtype=torch.long, device=logits.device)
         greedy = [i for i, r in enumerate(requests) if r.params.greedy]
         sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
-        if greedy:
+        if not sampled:  # all greedy (single-stream decoding, mostly): no row gathers
+            chosen = processed.argmax(dim=-1)
+        else:
+            chosen = torch.empty(rows, dtype=torch.long, device=logits.device)
+        if greedy and sampled:
             index = torch.tensor(greedy, device=logits.device)
             chosen[index] = processed[index].argmax(dim=-1)
         if sampled:

@@ -141,7 +141,8 @@ def plot_ratios(results: list[dict[str, Any]], out: Path) -> Path:
         axis.invert_yaxis()
         axis.set_xlabel("kvik / llama.cpp (> 1: kvik ahead; dotted: the issue's target)")
         axis.set_title(f"{model}, same GGUF file for both engines")
-        axis.legend(loc="lower right")
+        # Below the axis: inside, it covered the bottom rows.
+        axis.legend(loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=2)
     figure.savefig(out)
     plt.close(figure)
     return out
