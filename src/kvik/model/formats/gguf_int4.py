@@ -11,8 +11,9 @@ in the high ones. The 6-bit scale/min unpacking is the `gguf` package's own (`Q4
 
 Q4_0 maps exactly (symmetric int4: scale d, offset -8 d) and so does Q4_1 (scale d, offset m). Q4_K's
 per-sub-block scale d * sc and offset -dmin * m are rounded to float16 (the one rounding, 2**-11 of
-each at most). Other types (Q5_*, Q6_K, Q8_0, ...) have no int4 form: Q8_0 has a scale per 32
-weights where kvik's int8 has one per row, so those stay dequantized to float.
+each at most). Other types (Q5_*, Q6_K, Q8_0, ...) have no int4 form and are dequantized to float;
+a file of Q8_0 matrices is then quantized again to kvik's int8 with groups of 32, which gives back
+its codes and scales exactly (`kvik.model.formats.gguf.gguf_q8_0_linears`).
 """
 
 from __future__ import annotations
