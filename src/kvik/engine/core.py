@@ -62,9 +62,11 @@ class EngineCore:
         path = resolve_model_path(args.model, args.revision)
         self.model_path = path
         quantization, group_size = args.quantization, args.quantization_group_size
-        if quantization is None and args.dtype == "auto" and (q8_groups := checkpoint_int8_groups(path)):
+        if (quantization is None and args.dtype == "auto" and self.device.type == "cpu"
+                and (q8_groups := checkpoint_int8_groups(path))):
             # A Q8_0 GGUF is served in its own format (exactly: kvik.model.formats.gguf), as a
-            # GPTQ/AWQ/Q4 checkpoint keeps its int4 layers under auto.
+            # GPTQ/AWQ/Q4 checkpoint keeps its int4 layers under auto. On CUDA, where int8 layers
+            # are dequantized by PyTorch ops on every call, it loads as bfloat16 instead.
             quantization, group_size = "int8", q8_groups
             logger.info("%s stores its linear weights as Q8_0: serving them as int8 with a scale per %d "
                         "inputs, the file's own codes and scales (--dtype float32 dequantizes them)",
