@@ -83,11 +83,13 @@ void block_bf16(const uint16_t* w, const float* x, int64_t x_stride, int64_t in_
     for (int j = 0; j < kBlock; ++j) out[m][j] = acc[m][j];
 }
 
+// acc[m][j] = sum over inputs k in [first, last) of W[j][k] x[m][k], int8 weights unscaled.
 template <int M>
-void block_int8(const int8_t* w, const float* scales, const float* x, int64_t x_stride, int64_t in_features,
-                float (&out)[kRows][kBlock]) {
-  float acc[M][kBlock] = {};
-  for (int64_t k = 0; k < in_features; ++k) {
+void int8_dot_range(const int8_t* w, const float* x, int64_t x_stride, int64_t first, int64_t last,
+                    float (&acc)[M][kBlock]) {
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < kBlock; ++j) acc[m][j] = 0.f;
+  for (int64_t k = first; k < last; ++k) {
     const int8_t* wk = w + k * kBlock;
     float wf[kBlock];
 #pragma omp simd
@@ -98,6 +100,13 @@ void block_int8(const int8_t* w, const float* scales, const float* x, int64_t x_
       for (int j = 0; j < kBlock; ++j) acc[m][j] += wf[j] * xv;
     }
   }
+}
+
+template <int M>
+void block_int8(const int8_t* w, const float* scales, const float* x, int64_t x_stride, int64_t in_features,
+                float (&out)[kRows][kBlock]) {
+  float acc[M][kBlock];
+  int8_dot_range<M>(w, x, x_stride, 0, in_features, acc);
   for (int m = 0; m < M; ++m)
     for (int j = 0; j < kBlock; ++j) out[m][j] = acc[m][j] * scales[j];
 }
@@ -108,19 +117,8 @@ void block_int8_grouped(const int8_t* w, const c10::Half* scales, const float* x
                         int64_t in_features, int64_t group, float (&out)[kRows][kBlock]) {
   float total[M][kBlock] = {};
   for (int64_t g = 0; g < groups; ++g) {
-    const int64_t first = g * group, last = std::min(in_features, first + group);
-    float acc[M][kBlock] = {};
-    for (int64_t k = first; k < last; ++k) {
-      const int8_t* wk = w + k * kBlock;
-      float wf[kBlock];
-#pragma omp simd
-      for (int j = 0; j < kBlock; ++j) wf[j] = static_cast<float>(wk[j]);
-      for (int m = 0; m < M; ++m) {
-        const float xv = x[m * x_stride + k];
-#pragma omp simd
-        for (int j = 0; j < kBlock; ++j) acc[m][j] += wf[j] * xv;
-      }
-    }
+    float acc[M][kBlock];
+    int8_dot_range<M>(w, x, x_stride, g * group, std::min(in_features, (g + 1) * group), acc);
     for (int m = 0; m < M; ++m)
       for (int j = 0; j < kBlock; ++j) total[m][j] += acc[m][j] * static_cast<float>(scales[g * kBlock + j]);
   }
