@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvik.model.quant import packing
-from kvik.model.quant.reference import (INT8_DEFAULT_GROUP, Int4Weight, Int8Weight, dequantize_int4,
+from kvik.model.quant.reference import (DEFAULT_GROUP_SIZES, Int4Weight, Int8Weight, dequantize_int4,
                                         dequantize_int8, quantize_int4, quantize_int8)
 
 # csrc/kernels.h WeightFormat
@@ -61,8 +61,9 @@ class WeightOnlyLinear(nn.Module):
         if kind == "bfloat16":
             return cls(kind, linear.in_features, linear.out_features, packing.pack_bfloat16(weight), bias=bias)
         if kind == "int8":
-            return cls.from_int8(quantize_int8(weight, INT8_DEFAULT_GROUP if group_size is None else group_size), bias)
-        return cls.from_int4(quantize_int4(weight, group_size or 64, zero_point), bias)
+            group = DEFAULT_GROUP_SIZES["int8"] if group_size is None else group_size
+            return cls.from_int8(quantize_int8(weight, group), bias)
+        return cls.from_int4(quantize_int4(weight, group_size or DEFAULT_GROUP_SIZES["int4"], zero_point), bias)
 
     @classmethod
     def from_int8(cls, q: Int8Weight, bias: torch.Tensor | None = None) -> WeightOnlyLinear:

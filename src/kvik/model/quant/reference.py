@@ -23,7 +23,8 @@ import torch
 
 INT4_GROUP_SIZES = (32, 64, 128)
 INT8_GROUP_SIZES = (0, 32, 64, 128)  # 0: one scale per output row
-INT8_DEFAULT_GROUP = 32
+# Inputs per scale when none is asked for (`--quantization-group-size` unset).
+DEFAULT_GROUP_SIZES = {"int4": 64, "int8": 32}
 
 
 @dataclass(slots=True)

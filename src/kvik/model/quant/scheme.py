@@ -12,7 +12,7 @@ from kvik.core.config import QUANTIZATIONS as QUANTIZATION_METHODS
 from kvik.core.errors import ConfigError
 
 from kvik.model.layers.kv_cache import kv_storage_dtype
-from kvik.model.quant.reference import INT4_GROUP_SIZES, INT8_DEFAULT_GROUP, INT8_GROUP_SIZES
+from kvik.model.quant.reference import DEFAULT_GROUP_SIZES, INT4_GROUP_SIZES, INT8_GROUP_SIZES
 
 logger = logging.getLogger("kvik.model")
 
@@ -39,7 +39,7 @@ class QuantScheme:
         if self.kind not in WEIGHT_KINDS:
             raise ConfigError(f"weight format {self.kind!r} is not one of {', '.join(WEIGHT_KINDS)}")
         if self.group_size is None:
-            object.__setattr__(self, "group_size", {"int4": 64, "int8": INT8_DEFAULT_GROUP}.get(self.kind, 0))
+            object.__setattr__(self, "group_size", DEFAULT_GROUP_SIZES.get(self.kind, 0))
         sizes = {"int4": INT4_GROUP_SIZES, "int8": INT8_GROUP_SIZES}.get(self.kind, (0,))
         if self.group_size not in sizes:
             raise ConfigError(f"quantization_group_size: {self.kind} group size {self.group_size} is not one of "
@@ -56,7 +56,7 @@ class QuantScheme:
         """Inputs per scale of a layer stored as `kind` (an int4 model's int8 LM head: int8's default)."""
         if kind == self.kind:
             return self.group_size
-        return INT8_DEFAULT_GROUP if kind == "int8" else 0
+        return DEFAULT_GROUP_SIZES["int8"] if kind == "int8" else 0
 
     def describe(self) -> str:
         if self.kind == "int8":
