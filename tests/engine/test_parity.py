@@ -95,6 +95,24 @@ def test_chunked_prefill_matches_hf(arch_case):
     assert_matches(outputs, reference)
 
 
+def test_small_continuation_chunks_match_hf(arch_case):
+    """A 3-token budget cuts every prompt into pieces of at most 3 tokens after the first: those
+    run as decode rows (one per token, through the paged KV; ModelRunner._as_decode_rows), batched
+    with the other sequences' decodes, prompt logprobs included."""
+    _, path, _, prompts, reference = arch_case
+    llm = LLM(str(path), show_progress=False, max_num_batched_tokens=3, block_size=4)
+    runner = llm.engine.core.runner
+    assert runner.has_kv_cache
+    outputs = llm.generate(prompts, greedy(logprobs=3))
+    assert_matches(outputs, reference, check_logprobs=True)
+    ids = prompts[0]
+    output = llm.generate([ids], greedy(max_tokens=1, prompt_logprobs=1))[0]
+    expected = hf_prompt_logprobs(path, ids)
+    for position in range(1, len(ids)):
+        assert abs(output.prompt_logprobs[position][ids[position]].logprob
+                   - expected[position - 1, ids[position]].item()) < 1e-4
+
+
 def test_prefix_cache_hits_match_hf(arch_case):
     _, path, _, prompts, reference = arch_case
     llm = LLM(str(path), show_progress=False, block_size=4)

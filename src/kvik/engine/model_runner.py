@@ -60,6 +60,11 @@ class RunnerOutput:
     pooled: list[tuple[ScheduledChunk, torch.Tensor]] = field(default_factory=list)
 
 
+# A continuing chunk of at most this many tokens runs as decode rows (ModelRunner._as_decode_rows);
+# a verification of the default 3 drafts is 4 rows.
+SMALL_CHUNK_DECODE_ROWS = 4
+
+
 class ModelRunner:
     def __init__(self, model: nn.Module, *, num_blocks: int, block_size: int, num_layers: int,
                  num_kv_heads: int, head_dim: int, device: torch.device, kv_cache_dtype: torch.dtype,
@@ -90,9 +95,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> RunnerOutput:
-        # Without a KV cache a one-token prompt is a (tiny) prefill: there is nothing to decode from.
-        decodes = [c for c in chunks if (c.num_new_tokens == 1 or c.spec_token_ids) and self.has_kv_cache]
-        prefills = [c for c in chunks if not ((c.num_new_tokens == 1 or c.spec_token_ids) and self.has_kv_cache)]
+        decodes = [c for c in chunks if self._as_decode_rows(c)]
+        prefills = [c for c in chunks if not self._as_decode_rows(c)]
         if self.lora is not None:
             # Each adapter's tokens in one run of decodes and one of prefills: the LoRA layers add
             # them segment by segment (the order of chunks matters to nothing else).
@@ -163,6 +167,18 @@ class ModelRunner:
         if pool_chunks:
             output.pooled = list(zip(pool_chunks, self._pool(hidden, pool_chunks, pool_spans)))
         return output
+
+    def _as_decode_rows(self, chunk: ScheduledChunk) -> bool:
+        """Whether a chunk's tokens run as decode rows (one row each, attending through the paged
+        KV up to itself): one token, drafts to verify, or a few more tokens of a sequence that
+        already has KV - a draft model catching up on the target's bonus token, a prompt's tail
+        after a prefix-cache hit. Those rows take the compiled decode stack on the CPU, where a
+        prefill of 2-4 tokens costs as much as that many separate decode steps. Without a KV cache
+        a prompt is always a prefill: there is nothing to decode from."""
+        if not self.has_kv_cache:
+            return False
+        return (chunk.num_new_tokens == 1 or bool(chunk.spec_token_ids)
+                or (chunk.start > 0 and chunk.num_new_tokens <= SMALL_CHUNK_DECODE_ROWS))
 
     def _pool(self, hidden: torch.Tensor, chunks: list[ScheduledChunk], spans: list[PoolSpan]
               ) -> list[torch.Tensor]:
