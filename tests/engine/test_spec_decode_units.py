@@ -15,6 +15,7 @@ from kvik.engine.kv_manager import KVCacheManager
 from kvik.engine.request import RequestStatus
 from kvik.engine.scheduler import SampledTokens, Scheduler
 from kvik.engine.spec_decode.adaptive import AdaptiveK, best_k
+from kvik.engine.spec_decode.decoder import PRIOR_ACCEPTANCE, VERIFY_FIXED_COST, VERIFY_ROW_COST
 from kvik.engine.spec_decode.ngram import NgramIndex
 from kvik.engine.spec_decode.rejection import greedy_accept, speculative_sample
 from tests.engine.helpers import make_request
@@ -131,6 +132,22 @@ def test_adaptive_k_grows_with_acceptance_and_pauses_when_it_does_not_pay():
         state.observe(1, 1)
     assert state.next_k() == 5
     assert AdaptiveK(max_k=3, cost_per_draft=0.05, enabled=False).next_k() == 3
+
+
+def test_a_draft_model_starts_speculating_where_the_lookup_starts_off():
+    """At a draft model's cost per draft (its step plus a verification row, ~0.5 of a target
+    step for an int8 copy of the target), the lookup's doubtful prior keeps a new sequence off; a
+    draft model's prior starts it at k > 0, and rejections still turn it off."""
+    cost = VERIFY_ROW_COST + 0.27
+    lookup = AdaptiveK.with_prior(3, cost, VERIFY_FIXED_COST, True, PRIOR_ACCEPTANCE["ngram"])
+    draft = AdaptiveK.with_prior(3, cost, VERIFY_FIXED_COST, True, PRIOR_ACCEPTANCE["draft"])
+    assert lookup.next_k() == 0
+    assert draft.next_k() > 0
+    for _ in range(10):
+        if draft.steps_off:
+            break
+        draft.observe(draft.next_k(), 0)
+    assert draft.steps_off > 0
 
 
 # -- scheduler: drafts in the budget, rollback, prefix caching of accepted tokens only --

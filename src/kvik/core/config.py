@@ -61,6 +61,10 @@ class EngineArgs:
     speculative_method: str | None = None
     num_speculative_tokens: int = 3  # drafts per step at most (adaptive k chooses up to this)
     speculative_model: str | None = None
+    # Weight-only quantization of the draft model (int8/int4, default groups). Without
+    # speculative_model the draft is the target's own weights quantized: lossless speculation that
+    # reads int4's bytes per draft token.
+    speculative_quantization: str | None = None
     prompt_lookup_min: int = 2  # n-gram sizes the lookup tries, longest first
     prompt_lookup_max: int = 4
     speculative_adaptive: bool = True  # False: always propose num_speculative_tokens
@@ -168,11 +172,18 @@ class EngineArgs:
         method = self.speculative_method
         if method is not None and method not in SPECULATIVE_METHODS:
             raise ConfigError(f"speculative_method: {method!r} is not one of {', '.join(SPECULATIVE_METHODS)}")
-        if method == "draft" and not self.speculative_model:
+        quantization = self.speculative_quantization
+        if quantization is not None and quantization not in QUANTIZATIONS:
+            raise ConfigError(f"speculative_quantization: {quantization!r} is not one of "
+                              f"{', '.join(QUANTIZATIONS)}")
+        if method == "draft" and not self.speculative_model and quantization is None:
             raise ConfigError("speculative_model: the draft method needs a draft model directory "
-                              "(--speculative-model)")
+                              "(--speculative-model), or --speculative-quantization to draft with a "
+                              "quantized copy of the target")
         if self.speculative_model and method != "draft":
             raise ConfigError("speculative_model: only used with speculative_method 'draft'")
+        if quantization is not None and method != "draft":
+            raise ConfigError("speculative_quantization: only used with speculative_method 'draft'")
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ConfigError(f"num_speculative_tokens: must be in 1..{MAX_SPECULATIVE_TOKENS}, "
                               f"got {self.num_speculative_tokens}")
@@ -251,12 +262,18 @@ class EngineArgs:
         spec = parser.add_argument_group("speculative decoding")
         spec.add_argument("--speculative-method", default=None, choices=SPECULATIVE_METHODS,
                           help="propose draft tokens and verify them in one forward: ngram (prompt "
-                               "lookup, no second model) or draft (--speculative-model); default off")
+                               "lookup, no second model) or draft (--speculative-model and/or "
+                               "--speculative-quantization); default off")
         spec.add_argument("--num-speculative-tokens", type=int, default=3,
                           help="most draft tokens per sequence and step (default: 3; on CPU a step "
                                "of up to 4 rows takes the compiled decode path)")
         spec.add_argument("--speculative-model", default=None,
-                          help="draft model directory for --speculative-method draft (same tokenizer)")
+                          help="draft model directory for --speculative-method draft (same tokenizer; "
+                               "default with --speculative-quantization: the target itself)")
+        spec.add_argument("--speculative-quantization", default=None, choices=QUANTIZATIONS,
+                          help="quantize the draft model's weights at load (int8: groups of 32, int4: "
+                               "groups of 64); without --speculative-model the draft is the target "
+                               "quantized, so drafts cost int4's bytes and output stays the target's")
         spec.add_argument("--prompt-lookup-min", type=int, default=2,
                           help="shortest n-gram the ngram method looks up (default: 2)")
         spec.add_argument("--prompt-lookup-max", type=int, default=4,
@@ -313,6 +330,7 @@ _FIELD_TYPES: dict[str, Any] = {
     "enable_chunked_prefill": bool, "threads": int, "show_progress": bool, "quantization": str,
     "quantization_group_size": int, "quantization_zero_point": bool, "kv_cache_dtype": str, "activations": str,
     "speculative_method": str, "num_speculative_tokens": int, "speculative_model": str,
+    "speculative_quantization": str,
     "prompt_lookup_min": int, "prompt_lookup_max": int, "speculative_adaptive": bool, "scheduling_policy": str,
     "lower_tier_prefill_chunk": int,
     "enable_lora": bool, "lora_modules": list, "max_loras": int, "max_lora_rank": int, "max_cpu_loras": int,

@@ -132,7 +132,8 @@ class EngineCore:
         self.spec: SpecDecoder | None = build_spec_decoder(
             args, tokenizer=self.tokenizer_spec, vocab_size=cfg.vocab_size, device=self.device,
             dtype=self.dtype, max_model_len=self.max_model_len,
-            max_num_batched_tokens=self.max_num_batched_tokens, target_weight_bytes=self.weight_bytes)
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            target_step_bytes=self.transforms.linear_weight_bytes)
 
         self.kv_cache_bytes = 0  # set by _num_kv_blocks; an encoder has no KV cache
         num_blocks = self._num_kv_blocks() if self.uses_kv_cache else 0

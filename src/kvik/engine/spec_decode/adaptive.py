@@ -10,7 +10,8 @@ draft after a back-off that doubles on every failed probe (8, 16, ... 256 steps)
 starts copying later gets speculation back, and one that never does costs almost nothing.
 
 a is estimated from accept/reject counts that decay by DECAY per verification (a window of about
-five), starting from a prior of 2 of 3 accepted. The choice depends only on the sequence's own
+five), starting from a prior that depends on the proposer (`decoder.PRIOR_ACCEPTANCE`: 2 of 3
+accepted for the n-gram lookup, 0.8 for a draft model). The choice depends only on the sequence's own
 history, never on timing or the batch, so seeded requests stay reproducible.
 """
 
@@ -33,6 +34,13 @@ class AdaptiveK:
     rejected: float = 1.0
     steps_off: int = 0  # steps left before the next probe
     backoff: int = FIRST_BACKOFF
+
+    @classmethod
+    def with_prior(cls, max_k: int, cost_per_draft: float, cost_fixed: float, enabled: bool,
+                   prior: float, weight: float = 3.0) -> AdaptiveK:
+        """Start from `prior` acceptance, as if `weight` drafts had been verified."""
+        return cls(max_k, cost_per_draft, cost_fixed, enabled, accepted=prior * weight,
+                   rejected=(1 - prior) * weight)
 
     @property
     def acceptance(self) -> float:

@@ -30,6 +30,7 @@ from kvik.engine.scheduler import ScheduledChunk
 from kvik.engine.spec_decode.proposer import Draft, DraftContext
 from kvik.engine.spec_decode.rejection import draw_token
 from kvik.model.loader import load_model, load_model_config, resolve_model_path
+from kvik.model.quant.scheme import QuantScheme, int8_activations
 from kvik.model.transforms import optimize_for_inference
 
 logger = logging.getLogger("kvik.engine")
@@ -46,21 +47,27 @@ class DraftSequence:
 class DraftModelProposer:
     def __init__(self, model: str, *, target_tokenizer: TokenizerSpec, target_vocab_size: int,
                  device: torch.device, dtype: torch.dtype, block_size: int, max_chunk_tokens: int,
-                 revision: str | None = None) -> None:
+                 revision: str | None = None, tokenizer: str | None = None,
+                 quantization: str | None = None, activations: str = "auto") -> None:
         path = resolve_model_path(model, revision)
         self.config = cfg = load_model_config(path)
-        draft_tokenizer = TokenizerSpec.from_pretrained(str(path), revision)
+        draft_tokenizer = TokenizerSpec.from_pretrained(tokenizer or str(path), revision)
         if _vocabulary(draft_tokenizer) != _vocabulary(target_tokenizer):
             raise ConfigError(f"speculative_model: {model} has a different tokenizer from the target "
                               "model; a draft model must share the target's vocabulary")
         loaded = load_model(path, cfg, device, dtype, show_progress=False)
         self.model = loaded.model
-        self.weight_bytes = loaded.weight_bytes
         # The same CPU preparation as the target's (EngineCore), in the draft's own dtype: oneDNN
-        # packing and the compiled kernels (the draft's weights stay unquantized).
-        self.kernels = optimize_for_inference(self.model, device, dtype).kernels
-        logger.info("draft model %s (%s, %.1f MiB) for speculative decoding", path, cfg.architecture,
-                    loaded.weight_bytes / 2**20)
+        # packing and the compiled kernels, and --speculative-quantization's narrower weights (a
+        # draft only has to agree with the target often, so it may be rounded more than the target).
+        weights = QuantScheme(quantization) if quantization else None
+        transforms = optimize_for_inference(self.model, device, dtype, weights=weights,
+                                            int8_activations=int8_activations(activations, quantization))
+        self.kernels = transforms.kernels
+        self.weight_bytes = transforms.weight_bytes
+        self.step_bytes = transforms.linear_weight_bytes  # what one draft step streams
+        logger.info("draft model %s (%s, %s, %.1f MiB) for speculative decoding", path, cfg.architecture,
+                    transforms.weights, self.weight_bytes / 2**20)
         self.device, self.dtype, self.block_size = device, dtype, block_size
         self.target_vocab_size = target_vocab_size
         self.max_positions = cfg.max_position_embeddings
