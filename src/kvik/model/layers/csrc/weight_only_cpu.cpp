@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -426,14 +427,32 @@ void quantize_rows(const float* x, int64_t rows, int64_t in_features, bool plus1
   });
 }
 
+// One block's nibbles of inputs k..k+7 (64 bytes) as the two vpdpbusd operands: lane L of wa holds
+// row L's codes of inputs k..k+3, of wb those of k+4..k+7, one byte each.
+inline void unpack_int4_8(const uint8_t* wk, __m512i& wa, __m512i& wb) {
+  const __m512i low4 = _mm512_set1_epi8(15);
+  const __m512i raw = _mm512_loadu_si512(wk);
+  const __m512i low = _mm512_and_si512(raw, low4);
+  const __m512i high = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+  wa = _mm512_permutex2var_epi8(low, _mm512_load_si512(kLaneIndex.int4_a), high);
+  wb = _mm512_permutex2var_epi8(low, _mm512_load_si512(kLaneIndex.int4_b), high);
+}
+
+// A prompt's rows pass over each block of weights many times (four rows a pass): the nibbles are
+// unpacked once per call into this buffer (128 bytes per 8 inputs, a block of 2048 inputs is 32 KiB,
+// so it stays in L1/L2) and every pass reads the operands as they are, which leaves the inner loop
+// two vpdpbusd per row and 8 inputs, as int8's has.
+void unpack_int4_block(const uint8_t* w, int64_t in_features, __m512i* out) {
+  for (int64_t k = 0; k < in_features; k += 8) unpack_int4_8(w + k * (kBlock / 2), out[k / 4], out[k / 4 + 1]);
+}
+
 // out[m][j] = sum_k W[j][k] x'[m][k] for one block of 16 rows, int4 weights: per group,
-// s_j sum_b d_b (sum_{k in b} v_jk q_k) + o_j sum_{k in group} x'_k.
-template <int M, bool kOffsets>
+// s_j sum_b d_b (sum_{k in b} v_jk q_k) + o_j sum_{k in group} x'_k. kUnpacked: w is
+// unpack_int4_block's buffer, else the stored nibbles.
+template <int M, bool kOffsets, bool kUnpacked = false>
 void block_int4_vnni(const uint8_t* w, const c10::Half* scales, const c10::Half* offsets, const uint8_t* codes,
                      int64_t in_features, const float* act_scales, const float* group_sums, int64_t groups,
                      int64_t group, float (*out)[kBlock]) {
-  const __m512i index_a = _mm512_load_si512(kLaneIndex.int4_a), index_b = _mm512_load_si512(kLaneIndex.int4_b);
-  const __m512i low4 = _mm512_set1_epi8(15);
   const int64_t blocks = in_features / kActBlock, per_group = group / kActBlock;
   __m512 total[M];
   for (int m = 0; m < M; ++m) total[m] = _mm512_setzero_ps();
@@ -446,13 +465,16 @@ void block_int4_vnni(const uint8_t* w, const c10::Half* scales, const c10::Half*
 #pragma GCC unroll 4
       for (int step = 0; step < 4; ++step) {
         const int64_t k = b * kActBlock + step * 8;
-        const uint8_t* wk = w + k * (kBlock / 2);
-        __builtin_prefetch(wk + kPrefetchBytes, 0, 1);
-        const __m512i raw = _mm512_loadu_si512(wk);
-        const __m512i low = _mm512_and_si512(raw, low4);
-        const __m512i high = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
-        const __m512i wa = _mm512_permutex2var_epi8(low, index_a, high);
-        const __m512i wb = _mm512_permutex2var_epi8(low, index_b, high);
+        __m512i wa, wb;
+        if (kUnpacked) {
+          const auto* operands = reinterpret_cast<const __m512i*>(w) + k / 4;
+          wa = _mm512_load_si512(operands);
+          wb = _mm512_load_si512(operands + 1);
+        } else {
+          const uint8_t* wk = w + k * (kBlock / 2);
+          __builtin_prefetch(wk + kPrefetchBytes, 0, 1);
+          unpack_int4_8(wk, wa, wb);
+        }
 #pragma GCC unroll 4
         for (int m = 0; m < M; ++m) {
           acc_a[m] = _mm512_dpbusd_epi32(acc_a[m], wa, broadcast4(codes + m * in_features + k));
@@ -684,9 +706,10 @@ bool int8_dot(const WeightView& v) {
 }
 
 #if KVIK_INT8_DOT
-// One block for `rows` (1..kRows) quantized rows starting at row `r`.
+// One block for `rows` (1..kRows) quantized rows starting at row `r`. `unpacked`: an int4 block's
+// operands from unpack_int4_block, or null to unpack the stored nibbles in the pass.
 void run_block_int8_dot(const WeightView& v, int64_t block, const QuantizedRows& x, int64_t r, int64_t rows,
-                        float (*out)[kBlock]) {
+                        const __m512i* unpacked, float (*out)[kBlock]) {
   const int64_t in_features = v.in_features, blocks = in_features / kActBlock;
   const uint8_t* codes = x.codes.data() + r * in_features;
   const float* act_scales = x.scales.data() + r * blocks;
@@ -705,8 +728,11 @@ void run_block_int8_dot(const WeightView& v, int64_t block, const QuantizedRows&
   const c10::Half* s = v.scales_f16 + block * v.groups * kBlock;
   const c10::Half* o = v.offsets ? v.offsets + block * v.groups * kBlock : nullptr;
   const float* sums = x.group_sums.data() + r * v.groups;
+  const auto* u = reinterpret_cast<const uint8_t*>(unpacked);
   with_rows(rows, [&](auto m) {
     constexpr int M = decltype(m)::value;
+    if (u && o) return block_int4_vnni<M, true, true>(u, s, o, codes, in_features, act_scales, sums, v.groups, v.group, out);
+    if (u) return block_int4_vnni<M, false, true>(u, s, o, codes, in_features, act_scales, sums, v.groups, v.group, out);
     if (o) return block_int4_vnni<M, true>(w, s, o, codes, in_features, act_scales, sums, v.groups, v.group, out);
     block_int4_vnni<M, false>(w, s, o, codes, in_features, act_scales, sums, v.groups, v.group, out);
   });
@@ -779,16 +805,23 @@ at::Tensor weight_only_linear(const at::Tensor& x, const LinearWeight& weight) {
     QuantizedRows quantized;
     quantize_rows(xp, rows, in_features, weight.format == kInt8, weight.format == kInt4 ? weight.group : 0,
                   quantized);
+    // int4 with more than one pass of rows: unpack each block once (unpack_int4_block).
+    const bool unpack = weight.format == kInt4 && rows > kRows;
     at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
       // Passes of four rows, as below (eight ran a 512-row prompt at 0.7x the speed: the
       // accumulators no longer fit in the 32 vector registers).
       float acc[kRows][kBlock];
-      for (int64_t block = begin; block < end; ++block)
+      std::unique_ptr<__m512i[]> operands(unpack ? new __m512i[in_features / 4] : nullptr);
+      for (int64_t block = begin; block < end; ++block) {
+        if (unpack)
+          unpack_int4_block(static_cast<const uint8_t*>(view.data) + block * in_features * (kBlock / 2),
+                            in_features, operands.get());
         for (int64_t r = 0; r < rows; r += kRows) {
           const int64_t chunk = std::min<int64_t>(kRows, rows - r);
-          run_block_int8_dot(view, block, quantized, r, chunk, acc);
+          run_block_int8_dot(view, block, quantized, r, chunk, operands.get(), acc);
           finish(block, r, chunk, acc);
         }
+      }
     });
     return out;
   }
