@@ -501,7 +501,25 @@ void block_int4_vnni(const uint8_t* w, const c10::Half* scales, const c10::Half*
 // Scales per row (kGrouped false: `row_scales`, applied once at the end) or per group of `group`
 // inputs (float16 `group_scales`, folded into each block's activation scale: one multiply per block
 // and row, where a separate sum per group cost a prompt 10-20 %).
-template <int M, bool kGrouped>
+// A prompt's passes read an int8 block from unpack_int8_block's buffer instead: per block of 32
+// inputs, the 8 permuted operands and the correction (128 x the weight sums), 9 vectors, made once
+// per call, so a pass does only the M vpdpbusd per 4 inputs.
+constexpr int64_t kInt8UnpackedVectors = 9;
+
+void unpack_int8_block(const int8_t* w, int64_t in_features, __m512i* out) {
+  const __m512i index = _mm512_load_si512(kLaneIndex.int8), ones = _mm512_set1_epi8(1);
+  for (int64_t b = 0; b < in_features / kActBlock; ++b) {
+    __m512i sums = _mm512_setzero_si512();
+    for (int step = 0; step < 8; ++step) {
+      const __m512i wv = _mm512_permutexvar_epi8(index, _mm512_loadu_si512(w + (b * kActBlock + step * 4) * kBlock));
+      sums = _mm512_dpbusd_epi32(sums, ones, wv);
+      out[b * kInt8UnpackedVectors + step] = wv;
+    }
+    out[b * kInt8UnpackedVectors + 8] = _mm512_slli_epi32(sums, 7);
+  }
+}
+
+template <int M, bool kGrouped, bool kUnpacked = false>
 void block_int8_vnni(const int8_t* w, const float* row_scales, const c10::Half* group_scales, const uint8_t* codes,
                      int64_t in_features, const float* act_scales, int64_t group, float (*out)[kBlock]) {
   const __m512i index = _mm512_load_si512(kLaneIndex.int8), ones = _mm512_set1_epi8(1);
@@ -511,18 +529,24 @@ void block_int8_vnni(const int8_t* w, const float* row_scales, const c10::Half* 
   for (int64_t b = 0; b < blocks; ++b) {
     __m512i acc[M], sums = _mm512_setzero_si512();
     for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_si512();
+    const auto* unpacked = reinterpret_cast<const __m512i*>(w) + b * kInt8UnpackedVectors;
 #pragma GCC unroll 8
     for (int step = 0; step < 8; ++step) {
       const int64_t k = b * kActBlock + step * 4;
-      const int8_t* wk = w + k * kBlock;
-      __builtin_prefetch(wk + kPrefetchBytes, 0, 1);
-      const __m512i wv = _mm512_permutexvar_epi8(index, _mm512_loadu_si512(wk));
-      sums = _mm512_dpbusd_epi32(sums, ones, wv);
+      __m512i wv;
+      if (kUnpacked) {
+        wv = _mm512_load_si512(unpacked + step);
+      } else {
+        const int8_t* wk = w + k * kBlock;
+        __builtin_prefetch(wk + kPrefetchBytes, 0, 1);
+        wv = _mm512_permutexvar_epi8(index, _mm512_loadu_si512(wk));
+        sums = _mm512_dpbusd_epi32(sums, ones, wv);
+      }
 #pragma GCC unroll 4
       for (int m = 0; m < M; ++m)
         acc[m] = _mm512_dpbusd_epi32(acc[m], broadcast4(codes + m * in_features + k), wv);
     }
-    const __m512i correction = _mm512_slli_epi32(sums, 7);
+    const __m512i correction = kUnpacked ? _mm512_load_si512(unpacked + 8) : _mm512_slli_epi32(sums, 7);
     __m512 weight_scale = _mm512_set1_ps(1.f);
     if (kGrouped)
       weight_scale = _mm512_cvtph_ps(
@@ -715,12 +739,17 @@ void run_block_int8_dot(const WeightView& v, int64_t block, const QuantizedRows&
   const float* act_scales = x.scales.data() + r * blocks;
   if (v.format == kvik::kInt8) {
     const auto* w = static_cast<const int8_t*>(v.data) + block * in_features * kBlock;
+    const auto* u = reinterpret_cast<const int8_t*>(unpacked);
+    const c10::Half* group_scales = v.scales_f16 ? v.scales_f16 + block * v.groups * kBlock : nullptr;
+    const float* row_scales = v.scales_f16 ? nullptr : v.scales_f32 + block * kBlock;
     with_rows(rows, [&](auto m) {
       constexpr int M = decltype(m)::value;
-      if (v.scales_f16)
-        return block_int8_vnni<M, true>(w, nullptr, v.scales_f16 + block * v.groups * kBlock, codes, in_features,
-                                        act_scales, v.group, out);
-      block_int8_vnni<M, false>(w, v.scales_f32 + block * kBlock, nullptr, codes, in_features, act_scales, 0, out);
+      if (u && group_scales)
+        return block_int8_vnni<M, true, true>(u, nullptr, group_scales, codes, in_features, act_scales, v.group, out);
+      if (u) return block_int8_vnni<M, false, true>(u, row_scales, nullptr, codes, in_features, act_scales, 0, out);
+      if (group_scales)
+        return block_int8_vnni<M, true>(w, nullptr, group_scales, codes, in_features, act_scales, v.group, out);
+      block_int8_vnni<M, false>(w, row_scales, nullptr, codes, in_features, act_scales, 0, out);
     });
     return;
   }
@@ -805,17 +834,21 @@ at::Tensor weight_only_linear(const at::Tensor& x, const LinearWeight& weight) {
     QuantizedRows quantized;
     quantize_rows(xp, rows, in_features, weight.format == kInt8, weight.format == kInt4 ? weight.group : 0,
                   quantized);
-    // int4 with more than one pass of rows: unpack each block once (unpack_int4_block).
-    const bool unpack = weight.format == kInt4 && rows > kRows;
+    // More than one pass of rows: unpack each block once (unpack_int4_block, unpack_int8_block).
+    const bool int4 = weight.format == kInt4, unpack = rows > kRows;
+    const int64_t operand_vectors = int4 ? in_features / 4 : in_features / kActBlock * kInt8UnpackedVectors;
     at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
       // Passes of four rows, as below (eight ran a 512-row prompt at 0.7x the speed: the
       // accumulators no longer fit in the 32 vector registers).
       float acc[kRows][kBlock];
-      std::unique_ptr<__m512i[]> operands(unpack ? new __m512i[in_features / 4] : nullptr);
+      std::unique_ptr<__m512i[]> operands(unpack ? new __m512i[operand_vectors] : nullptr);
       for (int64_t block = begin; block < end; ++block) {
-        if (unpack)
+        if (unpack && int4)
           unpack_int4_block(static_cast<const uint8_t*>(view.data) + block * in_features * (kBlock / 2),
                             in_features, operands.get());
+        else if (unpack)
+          unpack_int8_block(static_cast<const int8_t*>(view.data) + block * in_features * kBlock, in_features,
+                            operands.get());
         for (int64_t r = 0; r < rows; r += kRows) {
           const int64_t chunk = std::min<int64_t>(kRows, rows - r);
           run_block_int8_dot(view, block, quantized, r, chunk, operands.get(), acc);
