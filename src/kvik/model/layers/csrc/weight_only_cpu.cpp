@@ -460,8 +460,11 @@ void block_int4_vnni(const uint8_t* w, const c10::Half* scales, const c10::Half*
     __m512 partial[M];
     for (int m = 0; m < M; ++m) partial[m] = _mm512_setzero_ps();
     for (int64_t b = g * per_group; b < std::min(blocks, (g + 1) * per_group); ++b) {
-      __m512i acc_a[M], acc_b[M];
-      for (int m = 0; m < M; ++m) acc_a[m] = acc_b[m] = _mm512_setzero_si512();
+      // One row: two chains per operand (even and odd steps), so a vpdpbusd does not wait on
+      // the one before it (latency 5) in the short 4-step block.
+      constexpr int C = M == 1 ? 2 : 1;
+      __m512i acc_a[C * M], acc_b[C * M];
+      for (int m = 0; m < C * M; ++m) acc_a[m] = acc_b[m] = _mm512_setzero_si512();
 #pragma GCC unroll 4
       for (int step = 0; step < 4; ++step) {
         const int64_t k = b * kActBlock + step * 8;
@@ -475,12 +478,18 @@ void block_int4_vnni(const uint8_t* w, const c10::Half* scales, const c10::Half*
           __builtin_prefetch(wk + kPrefetchBytes, 0, 1);
           unpack_int4_8(wk, wa, wb);
         }
+        const int c = (step % C) * M;
 #pragma GCC unroll 4
         for (int m = 0; m < M; ++m) {
-          acc_a[m] = _mm512_dpbusd_epi32(acc_a[m], wa, broadcast4(codes + m * in_features + k));
-          acc_b[m] = _mm512_dpbusd_epi32(acc_b[m], wb, broadcast4(codes + m * in_features + k + 4));
+          acc_a[c + m] = _mm512_dpbusd_epi32(acc_a[c + m], wa, broadcast4(codes + m * in_features + k));
+          acc_b[c + m] = _mm512_dpbusd_epi32(acc_b[c + m], wb, broadcast4(codes + m * in_features + k + 4));
         }
       }
+      if (C == 2)
+        for (int m = 0; m < M; ++m) {
+          acc_a[m] = _mm512_add_epi32(acc_a[m], acc_a[M + m]);
+          acc_b[m] = _mm512_add_epi32(acc_b[m], acc_b[M + m]);
+        }
       for (int m = 0; m < M; ++m)
         partial[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(acc_a[m], acc_b[m])),
                                      _mm512_set1_ps(act_scales[m * blocks + b]), partial[m]);
