@@ -198,17 +198,17 @@ def test_the_kernels_use_what_this_cpu_offers(kernels):
         pytest.skip("no /proc/cpuinfo")
     isa = kernels.simd_isa()
     if os.environ.get("KVIK_CPU_KERNELS_MARCH") not in (None, "", "native"):
-        assert isa in ("portable", "avx2", "avx2 (on an AVX-512 CPU)") or isa.startswith("avx512-vnni")
+        assert isa in ("portable", "avx2", "avx2 (bfloat16 on avx-512)") or isa.startswith("avx512-vnni")
     elif {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512vbmi"} <= flags:
         kernels.set_int8_activations(True)
         try:
             assert kernels.simd_isa().startswith("avx512-vnni")
             kernels.set_int8_activations(False)
-            assert kernels.simd_isa() == "avx2 (on an AVX-512 CPU)"
+            assert kernels.simd_isa() == "avx2 (bfloat16 on avx-512)"
         finally:
             kernels.set_int8_activations(INT8_ACTIVATIONS_DEFAULT)
     elif {"avx2", "fma", "f16c"} <= flags:
-        assert isa == ("avx2 (on an AVX-512 CPU)" if "avx512f" in flags else "avx2")
+        assert isa == ("avx2 (bfloat16 on avx-512)" if "avx512f" in flags else "avx2")
     else:
         assert isa == "portable"
 

@@ -1000,10 +1000,10 @@ bool uses_int8_activations(const LinearWeight& weight) {
 const char* simd_isa() {
   if (portable_only.load()) return "portable";
 #if KVIK_INT8_DOT
-  if (int8_activations.load()) return "avx512-vnni (int8 activations for int8/int4 weights; bfloat16 on avx2 code)";
+  if (int8_activations.load()) return "avx512-vnni (int8 activations for int8/int4 weights; bfloat16 on avx-512)";
 #endif
 #if KVIK_WEIGHT_ONLY_AVX2 && defined(__AVX512F__)
-  return "avx2 (on an AVX-512 CPU)";
+  return "avx2 (bfloat16 on avx-512)";
 #elif KVIK_WEIGHT_ONLY_AVX2
   return "avx2";
 #else
