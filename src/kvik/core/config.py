@@ -62,8 +62,8 @@ class EngineArgs:
     num_speculative_tokens: int = 3  # drafts per step at most (adaptive k chooses up to this)
     speculative_model: str | None = None
     # Weight-only quantization of the draft model (int8/int4, default groups). Without
-    # speculative_model the draft is the target's own weights quantized: lossless speculation that
-    # reads int4's bytes per draft token.
+    # speculative_model the draft is the target's own weights quantized: lossless speculation whose
+    # draft steps read the quantized copy's bytes.
     speculative_quantization: str | None = None
     prompt_lookup_min: int = 2  # n-gram sizes the lookup tries, longest first
     prompt_lookup_max: int = 4
@@ -273,7 +273,7 @@ class EngineArgs:
         spec.add_argument("--speculative-quantization", default=None, choices=QUANTIZATIONS,
                           help="quantize the draft model's weights at load (int8: groups of 32, int4: "
                                "groups of 64); without --speculative-model the draft is the target "
-                               "quantized, so drafts cost int4's bytes and output stays the target's")
+                               "quantized: drafts read the copy's bytes, output stays the target's")
         spec.add_argument("--prompt-lookup-min", type=int, default=2,
                           help="shortest n-gram the ngram method looks up (default: 2)")
         spec.add_argument("--prompt-lookup-max", type=int, default=4,
