@@ -30,10 +30,9 @@ inline void block_rows(float* out, const float* x, const float* wb, const float*
   }
   for (int64_t k = 0; k < in_features; ++k) {
     const float* wk = wb + k * B;
-    // The block is one sequential stream; ask for its lines 4 KiB ahead, as the weight-only
-    // kernels do (the hardware prefetcher stops at page boundaries).
+    // The block is one sequential stream; ask for its lines ahead, as the weight-only kernels do.
     for (int line = 0; line < B * 4 / 64; ++line)
-      __builtin_prefetch(reinterpret_cast<const char*>(wk) + 4096 + 64 * line, 0, 1);
+      __builtin_prefetch(reinterpret_cast<const char*>(wk) + kvik::kWeightPrefetchBytes + 64 * line, 0, 1);
     for (int m = 0; m < M; ++m) {
       const float xv = x[m * in_features + k];
 #pragma omp simd

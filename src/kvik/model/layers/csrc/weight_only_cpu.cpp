@@ -204,12 +204,7 @@ struct WidenInt4 {  // byte j: output j in the low nibble, j + 8 in the high one
 // can start per cycle, so one row needs about eight chains in flight (16 outputs = 2 per input).
 template <int M>
 constexpr int kUnroll = M == 1 ? 4 : (M == 2 ? 2 : 1);
-// How far ahead in a block's weight stream the kernels ask for lines (prefetcht2). 1 KiB left a
-// one-row decode waiting on the cache: 4 KiB ran 48 layers of 768 x 2048 at one row 1.45x faster
-// in bfloat16, 1.25x in int8 and 1.37x in int4, and the 125M reference model's single-stream
-// decode 1.3-1.4x (bfloat16), 1.1-1.3x (int8) and 1.1-1.2x (int4), alternating builds on the 2-core
-// AVX-512 machine; 8 and 16 KiB were slower than 4 again.
-constexpr int kPrefetchBytes = 4096;
+constexpr int kPrefetchBytes = kvik::kWeightPrefetchBytes;
 
 // U inputs at a time into U independent chains per row and half, summed at the end: acc[m] (or
 // acc[m] += with kAdd) = sum over k in [first, first + count) of W[k][0..15] * x[m][k]; count is a
@@ -290,21 +285,24 @@ void block_bf16_avx512(const uint16_t* w, const float* x, int64_t x_stride, int6
   __m512 part[U * M];
   for (int i = 0; i < U * M; ++i) part[i] = _mm512_setzero_ps();
   const int64_t body = in_features / U * U;
+  // The 16 weights of input k, widened to float32.
+  const auto widen = [w](int64_t k) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * kBlock))), 16));
+  };
   for (int64_t k = 0; k < body; k += U) {
     for (int line = 0; line < U * kBlock * 2 / 64; ++line)
       __builtin_prefetch(reinterpret_cast<const char*>(w + k * kBlock) + kPrefetchBytes + 64 * line, 0, 1);
 #pragma GCC unroll 8
     for (int u = 0; u < U; ++u) {
-      const __m512 wv = _mm512_castsi512_ps(_mm512_slli_epi32(
-          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (k + u) * kBlock))), 16));
+      const __m512 wv = widen(k + u);
 #pragma GCC unroll 4
       for (int m = 0; m < M; ++m)
         part[u * M + m] = _mm512_fmadd_ps(wv, _mm512_set1_ps(x[m * x_stride + k + u]), part[u * M + m]);
     }
   }
   for (int64_t k = body; k < in_features; ++k) {
-    const __m512 wv = _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * kBlock))), 16));
+    const __m512 wv = widen(k);
     for (int m = 0; m < M; ++m) part[m] = _mm512_fmadd_ps(wv, _mm512_set1_ps(x[m * x_stride + k]), part[m]);
   }
   for (int m = 0; m < M; ++m) {
