@@ -55,9 +55,9 @@ def round_activations(x: torch.Tensor, block: int = 32) -> torch.Tensor:
                          [(1280, 768, False), (100, 200, True), (16, 64, True), (48, 576, False)])
 def test_weight_only_linear_matches_torch(kernels, code_path, kind, group, zero_point, out_features,
                                           in_features, bias):
-    """Rows 1-4 (decode), 5-15 (the small-batch kernel in passes of four), 16+ (bfloat16's register
-    tiles on AVX-512, the widened GEMM, or the VNNI kernel; tiles of 12 rows by two blocks, with
-    partial tiles and a lone last block): all equal F.linear on the dequantized weight, computed by
+    """Rows 1-4 (decode), 5-15 (the small-batch kernel in passes of four), 16+ (the register tiles
+    on AVX-512, 12 rows by two blocks with partial tiles and a lone last block, or the widened GEMM
+    elsewhere, or the VNNI kernel): all equal F.linear on the dequantized weight, computed by
     PyTorch from the packed buffers, and on the int8-rounded activations where the layer takes those."""
     torch.manual_seed(out_features + in_features)
     linear = torch.nn.Linear(in_features, out_features, bias=bias)
@@ -105,17 +105,21 @@ def test_int8_activations_are_per_row_and_bounded(kernels, kind, group, zero_poi
         assert torch.all(error <= bound * 1.001 + 1e-5 * exact.abs() + 1e-6)
 
 
-def test_bfloat16_tiles_cover_every_row(kernels):
-    """bfloat16 prompts on AVX-512 run in register tiles, in chunks of rows sized to stay in L2 (128
-    rows at 2048 inputs): every row of a prompt that spans chunks and ends in a partial tile comes out
-    right, with the bias, for outputs that are not a whole number of blocks."""
+@pytest.mark.parametrize("kind,group,zero_point", [("bfloat16", 0, False), ("int8", 0, False),
+                                                    ("int8", 32, False), ("int4", 64, True)])
+def test_prompt_tiles_cover_every_row(kernels, kind, group, zero_point):
+    """Prompts on float32 activations on AVX-512 run in register tiles, in chunks of rows sized to
+    stay in L2 (128 rows at 2048 inputs): every row of a prompt that spans chunks and ends in a
+    partial tile comes out right, with the bias, for outputs that are not a whole number of blocks
+    (int8/int4 with float activations: a checkpoint served as it is, or a CPU without VNNI)."""
     torch.manual_seed(3)
-    layer = WeightOnlyLinear.from_linear(torch.nn.Linear(2048, 88), "bfloat16")
+    layer = WeightOnlyLinear.from_linear(torch.nn.Linear(2048, 88), kind, group, zero_point)
     layer.enable_kernels(kernels)
+    layer.kernel_weight().allow_int8_activations = False
     if "avx-512" not in kernels.simd_isa():
-        assert not layer.kernel_weight().bf16_tiles()
-        pytest.skip("no AVX-512: bfloat16 prompts take the widened GEMM")
-    assert layer.kernel_weight().bf16_tiles()
+        assert not layer.kernel_weight().prompt_tiles()
+        pytest.skip("no AVX-512: prompts take the widened GEMM")
+    assert layer.kernel_weight().prompt_tiles()
     x = torch.randn(300, 2048)
     with torch.inference_mode():
         expected = F.linear(x, layer.dequantize(), layer.bias)

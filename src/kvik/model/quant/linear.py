@@ -114,7 +114,7 @@ class WeightOnlyLinear(nn.Module):
             out = F.linear(rows, self.dequantize(rows.dtype),
                            None if self.bias is None else self.bias.to(rows.dtype))
         elif (rows.shape[0] <= SMALL_BATCH_ROWS or self._kernel.int8_activations()
-              or (not self._bf16_gemm and self._kernel.bf16_tiles())):
+              or (not self._bf16_gemm and self._kernel.prompt_tiles())):
             # (CPUs with native bfloat16 multiply prompts faster in a bfloat16 GEMM than in FMA tiles.)
             out = self._kernel(rows.contiguous())
         elif self._bf16_gemm:

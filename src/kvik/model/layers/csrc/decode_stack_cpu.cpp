@@ -175,8 +175,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            }, py::arg("bfloat16") = false)
       .def("int8_activations", &kvik::uses_int8_activations,
            "whether this weight multiplies int8-rounded activations (AVX512-VNNI)")
-      .def("bf16_tiles", &kvik::uses_bf16_tiles,
-           "whether prompts on this (bfloat16) weight run in the kernel's AVX-512 tiles, not a GEMM")
+      .def("prompt_tiles", &kvik::uses_prompt_tiles,
+           "whether prompts (16+ rows) on this weight run in the kernel's AVX-512 tiles, not a GEMM")
       .def_readwrite("allow_int8_activations", &kvik::LinearWeight::allow_int8_activations,
                      "may this weight use int8 activations (where the CPU can; default true)")
       .def_readonly("format", &kvik::LinearWeight::format)

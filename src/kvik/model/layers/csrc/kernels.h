@@ -65,8 +65,8 @@ struct LinearWeight {
   c10::optional<at::Tensor> bias;
 
   // y = x W^T + b for a float32 (rows, in_features) x. Weight-only formats dequantize in registers
-  // and stream each block of weights once for up to four rows, from cache for more (bfloat16 on
-  // AVX-512 from 16 rows: a pair of blocks widened once per chunk of rows, tiles of 12 rows).
+  // and stream each block of weights once for up to four rows, from cache for more (on AVX-512 from
+  // 16 rows: a pair of blocks widened once per chunk of rows, tiles of 12 rows).
   at::Tensor operator()(const at::Tensor& x) const;
 };
 
@@ -84,8 +84,8 @@ void set_portable_kernels(bool portable);
 // float32 (the AVX2 kernels). uses_int8_activations says which one a weight gets.
 void set_int8_activations(bool enabled);
 bool uses_int8_activations(const LinearWeight& weight);
-// Whether prompts (more than four rows) on this weight run in kvik's kernel rather than a GEMM on the
-// widened matrix: bfloat16 weights on AVX-512 (register tiles of up to 16 rows).
-bool uses_bf16_tiles(const LinearWeight& weight);
+// Whether prompts (16+ rows) on this weight run in kvik's kernel rather than a GEMM on the widened
+// matrix: float32 activations on AVX-512 (register tiles of up to 12 rows by 32 outputs).
+bool uses_prompt_tiles(const LinearWeight& weight);
 
 }  // namespace kvik

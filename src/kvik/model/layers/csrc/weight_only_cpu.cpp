@@ -314,13 +314,14 @@ void block_bf16_avx512(const uint16_t* w, const float* x, int64_t x_stride, int6
   }
 }
 
-// Many rows (prompts) on bfloat16 weights: tiles of M <= kTileRows rows by two blocks (32 outputs),
+// Many rows (prompts) on float32 activations: tiles of M <= kTileRows rows by two blocks (32 outputs),
 // one accumulator register per row and block, so each weight register feeds M FMAs and each
 // broadcast input two (the four-row passes above feed four per load; widening the whole matrix to
 // float32 for a GEMM wrote and re-read 4 bytes per weight per call, 0.7 ms per 768x2048 layer, as
-// much as a 64-row product itself). A pair of blocks is widened to float32 once per chunk of rows,
-// into a buffer that stays in L2: widening in the tile's loop (4 ops per 24 FMAs) ran it at 2/3 of
-// the speed. 2 x 12 accumulators + 2 weights leave registers for the compiler.
+// much as a 64-row product itself). A pair of blocks is widened to float32 (int8 / int4 with their
+// scales and offsets) once per chunk of rows, into a buffer that stays in L2: widening bfloat16 in
+// the tile's loop (4 ops per 24 FMAs) ran it at 2/3 of the speed. 2 x 12 accumulators + 2 weights
+// leave registers for the compiler.
 constexpr int kTileRows = 12;
 // Bytes of inputs per chunk of rows: a chunk stays in L2 (with the widened pair, re-read once per
 // tile of the chunk) while every pair of blocks is widened once for it.
@@ -393,38 +394,6 @@ constexpr std::array<TileKernel, sizeof...(I)> tile_kernels(std::index_sequence<
   return {&tile_f32_avx512<static_cast<int>(I) + 1, B>...};
 }
 
-// y = x W^T + b for `rows` rows of x on a bfloat16 weight, in tiles of up to kTileRows rows.
-void bf16_rows_avx512(const uint16_t* data, const float* x, int64_t rows, int64_t in_features,
-                      int64_t out_features, const float* bias, float* out) {
-  static constexpr auto kPairs = tile_kernels<2>(std::make_index_sequence<kTileRows>{});
-  static constexpr auto kSingles = tile_kernels<1>(std::make_index_sequence<kTileRows>{});
-  const int64_t blocks = (out_features + kBlock - 1) / kBlock, pairs = (blocks + 1) / 2;
-  const int64_t chunk_rows =
-      std::max<int64_t>(1, kChunkBytes / (in_features * static_cast<int64_t>(sizeof(float))) / kTileRows) * kTileRows;
-  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
-    std::unique_ptr<float[]> wide(new float[2 * kBlock * in_features]);
-    for (int64_t chunk = 0; chunk < rows; chunk += chunk_rows) {
-      const int64_t chunk_end = std::min(rows, chunk + chunk_rows);
-      for (int64_t pair = begin; pair < end; ++pair) {
-        const int64_t block = 2 * pair, first = block * kBlock;
-        const bool both = block + 1 < blocks;
-        const int64_t count = std::min<int64_t>(kBlock, out_features - (both ? first + kBlock : first));
-        const uint16_t* w = data + block * in_features * kBlock;
-        if (both) {
-          widen_blocks<2>(w, in_features * kBlock, in_features, wide.get());
-        } else {
-          widen_blocks<1>(w, 0, in_features, wide.get());
-        }
-        for (int64_t r = chunk; r < chunk_end; r += kTileRows) {
-          const int64_t m = std::min<int64_t>(kTileRows, chunk_end - r);
-          (both ? kPairs : kSingles)[m - 1](wide.get(), x + r * in_features, in_features,
-                                            bias ? bias + first : nullptr, count, out + r * out_features + first,
-                                            out_features);
-        }
-      }
-    }
-  });
-}
 #endif
 
 template <int M>
@@ -806,6 +775,54 @@ inline void dequantize_row_avx2(const WeightView& v, int64_t block, int64_t k, f
 }
 #endif
 
+#if KVIK_WEIGHT_ONLY_AVX2 && defined(__AVX512F__)
+// y = x W^T + b for `rows` rows of x, in tiles of up to kTileRows rows on float32 copies of each pair
+// of blocks (bfloat16 widened on AVX-512 registers; int8 / int4 dequantized with their scales and
+// offsets, as for the GEMM's copy, but a pair at a time into L2).
+void tiled_rows_avx512(const WeightView& v, const float* x, int64_t rows, int64_t out_features, const float* bias,
+                       float* out) {
+  static constexpr auto kPairs = tile_kernels<2>(std::make_index_sequence<kTileRows>{});
+  static constexpr auto kSingles = tile_kernels<1>(std::make_index_sequence<kTileRows>{});
+  const int64_t in_features = v.in_features;
+  const int64_t blocks = (out_features + kBlock - 1) / kBlock, pairs = (blocks + 1) / 2;
+  const int64_t chunk_rows =
+      std::max<int64_t>(1, kChunkBytes / (in_features * static_cast<int64_t>(sizeof(float))) / kTileRows) * kTileRows;
+  // Stored bytes per input of a block, for the prefetch of the quantized formats.
+  const int64_t stride = v.format == kvik::kInt4 ? kBlock / 2 : (v.format == kvik::kInt8 ? kBlock : 2 * kBlock);
+  const auto widen = [&](int64_t block, int count, float* wide) {
+    if (v.format == kvik::kBFloat16) {
+      const auto* w = static_cast<const uint16_t*>(v.data) + block * in_features * kBlock;
+      if (count == 2) return widen_blocks<2>(w, in_features * kBlock, in_features, wide);
+      return widen_blocks<1>(w, 0, in_features, wide);
+    }
+    const auto* base = static_cast<const char*>(v.data);
+    for (int64_t k = 0; k < in_features; ++k)
+      for (int b = 0; b < count; ++b) {
+        if (k % 4 == 0) __builtin_prefetch(base + ((block + b) * in_features + k) * stride + kPrefetchBytes, 0, 1);
+        dequantize_row_avx2(v, block + b, k, wide + (k * count + b) * kBlock);
+      }
+  };
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    std::unique_ptr<float[]> wide(new float[2 * kBlock * in_features]);
+    for (int64_t chunk = 0; chunk < rows; chunk += chunk_rows) {
+      const int64_t chunk_end = std::min(rows, chunk + chunk_rows);
+      for (int64_t pair = begin; pair < end; ++pair) {
+        const int64_t block = 2 * pair, first = block * kBlock;
+        const bool both = block + 1 < blocks;
+        const int64_t count = std::min<int64_t>(kBlock, out_features - (both ? first + kBlock : first));
+        widen(block, both ? 2 : 1, wide.get());
+        for (int64_t r = chunk; r < chunk_end; r += kTileRows) {
+          const int64_t m = std::min<int64_t>(kTileRows, chunk_end - r);
+          (both ? kPairs : kSingles)[m - 1](wide.get(), x + r * in_features, in_features,
+                                            bias ? bias + first : nullptr, count, out + r * out_features + first,
+                                            out_features);
+        }
+      }
+    }
+  });
+}
+#endif
+
 // Calls f(std::integral_constant<int, M>) for M = rows (1..kRows): the kernels take M as a template.
 template <typename F>
 void with_rows(int64_t rows, F&& f) {
@@ -931,14 +948,14 @@ void run_block_int8_dot(const WeightView& v, int64_t block, const QuantizedRows&
 }
 #endif
 
-// Whether `rows` rows of x on this weight run in the bfloat16 tiles (AVX-512); rows = 0 asks whether a
-// prompt would. Below kTileMinRows the passes of four rows, widening in registers, were as fast or
-// faster (5-12 rows: 10-30 %): the tiles widen each pair of blocks into memory first.
-bool bf16_tiles(const WeightView& v, int64_t rows) {
+// Whether `rows` rows of x on this weight run in the register tiles (AVX-512, float32 activations);
+// rows = 0 asks whether a prompt would. Below kTileMinRows the passes of four rows, widening in
+// registers, were as fast or faster (5-12 rows: 10-30 % on bfloat16): the tiles first write a float32
+// copy of each pair of blocks.
+bool float_tiles(const WeightView& v, int64_t rows) {
 #if KVIK_WEIGHT_ONLY_AVX2 && defined(__AVX512F__)
   constexpr int64_t kTileMinRows = 16;
-  return v.format == kvik::kBFloat16 && (rows == 0 || rows >= kTileMinRows) &&
-         !portable_only.load(std::memory_order_relaxed);
+  return (rows == 0 || rows >= kTileMinRows) && !portable_only.load(std::memory_order_relaxed) && !int8_dot(v);
 #else
   (void)v;
   (void)rows;
@@ -1037,9 +1054,9 @@ at::Tensor weight_only_linear(const at::Tensor& x, const LinearWeight& weight) {
     return out;
   }
 #endif
-  if (bf16_tiles(view, rows)) {
+  if (float_tiles(view, rows)) {
 #if KVIK_WEIGHT_ONLY_AVX2 && defined(__AVX512F__)
-    bf16_rows_avx512(static_cast<const uint16_t*>(view.data), xp, rows, in_features, out_features, bias, op);
+    tiled_rows_avx512(view, xp, rows, out_features, bias, op);
 #endif
     return out;
   }
@@ -1130,8 +1147,8 @@ bool uses_int8_activations(const LinearWeight& weight) {
   return weight.format != kPackedFloat32 && int8_dot(WeightView(weight));
 }
 
-bool uses_bf16_tiles(const LinearWeight& weight) {
-  return weight.format != kPackedFloat32 && bf16_tiles(WeightView(weight), 0);
+bool uses_prompt_tiles(const LinearWeight& weight) {
+  return weight.format != kPackedFloat32 && float_tiles(WeightView(weight), 0);
 }
 
 const char* simd_isa() {
