@@ -52,7 +52,11 @@ class EngineCoreClient:
             self.output_address = f"ipc://{self._ipc_dir}/out"
         self.inputs = self.context.socket(zmq.PUSH)
         self.inputs.bind(self.input_address)
-        self.outputs = self.context.socket(zmq.PULL)
+        # Outputs are read by a plain socket watched with loop.add_reader (_drain), not a
+        # zmq.asyncio one: pyzmq's future per recv (register the FD, resolve, drop it again) was half
+        # of the API server's CPU per streamed token at one request (py-spy), CPU the engine's
+        # threads lose on a small machine.
+        self.outputs = zmq.Context.shadow(self.context.underlying).socket(zmq.PULL)
         self.outputs.bind(self.output_address)
         self.encoder = msgspec.msgpack.Encoder()
         self.process: multiprocessing.process.BaseProcess | None = None
@@ -60,7 +64,8 @@ class EngineCoreClient:
         self.info: EngineInfo | None = None
         self.dead_reason: str | None = None
         self._stopping = False
-        self._reader: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._on_frame: Callable[[bytes], None] | None = None
         self._call_ids = itertools.count()
         self._calls: dict[int, asyncio.Future] = {}
 
@@ -90,7 +95,19 @@ class EngineCoreClient:
         watcher_done = loop.create_future()
         threading.Thread(target=self._watch, args=(loop, watcher_done, on_dead), name="kvik-engine-watch",
                          daemon=True).start()
-        first = asyncio.ensure_future(self.outputs.recv())
+        first: asyncio.Future = loop.create_future()
+        early: list[bytes] = []  # frames after the first, before the outputs' handler is set
+
+        def on_startup_frame(frame: bytes) -> None:
+            if first.done():
+                early.append(frame)
+            else:
+                first.set_result(frame)
+
+        self._on_frame = on_startup_frame
+        self._loop = loop
+        loop.add_reader(self.outputs.getsockopt(zmq.FD), self._drain)
+        self._drain()  # the FD signals changes only: read what came before it was watched
         await asyncio.wait({first, watcher_done}, return_when=asyncio.FIRST_COMPLETED)
         if not first.done():
             first.cancel()
@@ -102,8 +119,17 @@ class EngineCoreClient:
             raise EngineStartError(message.message)
         self.info = message
         decoder = output_decoder()
-        self._reader = asyncio.ensure_future(self._read(decoder, on_outputs))
+        self._on_frame = lambda frame: self._dispatch(decoder.decode(frame), on_outputs)
+        for frame in early:
+            self._on_frame(frame)
         return message
+
+    def _drain(self) -> None:
+        """Handle every frame waiting on the outputs socket (called by the loop when its FD fires)."""
+        # Asking first is cheaper than the zmq.Again a recv on an empty socket raises; small
+        # messages are cheaper copied to bytes than wrapped in a zmq.Frame.
+        while not self.outputs.closed and self.outputs.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._on_frame(self.outputs.recv(zmq.NOBLOCK))
 
     def _watch(self, loop: asyncio.AbstractEventLoop, done: asyncio.Future,
                on_dead: Callable[[str], None]) -> None:
@@ -131,22 +157,18 @@ class EngineCoreClient:
         except RuntimeError:  # the loop is closed: the server is gone anyway
             pass
 
-    async def _read(self, decoder: msgspec.msgpack.Decoder,
-                    on_outputs: Callable[[EngineCoreOutputs], None]) -> None:
-        while True:
-            frame = await self.outputs.recv(copy=False)
-            message = decoder.decode(frame.buffer)
-            if message.utility is not None:
-                future = self._calls.pop(message.utility.call_id, None)
-                if future is not None and not future.done():
-                    if message.utility.error:
-                        future.set_exception(utility_error(message.utility))
-                    else:
-                        future.set_result(message.utility.result)
-            try:
-                on_outputs(message)
-            except Exception:  # noqa: BLE001 - a front-end bug must not stop the reader
-                logger.exception("processing engine outputs failed")
+    def _dispatch(self, message: EngineCoreOutputs, on_outputs: Callable[[EngineCoreOutputs], None]) -> None:
+        if message.utility is not None:
+            future = self._calls.pop(message.utility.call_id, None)
+            if future is not None and not future.done():
+                if message.utility.error:
+                    future.set_exception(utility_error(message.utility))
+                else:
+                    future.set_result(message.utility.result)
+        try:
+            on_outputs(message)
+        except Exception:  # noqa: BLE001 - a front-end bug must not stop the reader
+            logger.exception("processing engine outputs failed")
 
     @property
     def alive(self) -> bool:
@@ -167,8 +189,8 @@ class EngineCoreClient:
         if self.process is not None and self.process.is_alive():
             self.process.kill()
             self.process.join(1)
-        if self._reader is not None:
-            self._reader.cancel()
+        if self._loop is not None and not self._loop.is_closed() and not self.outputs.closed:
+            self._loop.remove_reader(self.outputs.getsockopt(zmq.FD))
         self.inputs.close(linger=0)
         self.outputs.close(linger=0)
         if self._ipc_dir is not None:
