@@ -278,6 +278,12 @@ void block_bf16_avx2(const uint16_t* w, const float* x, int64_t x_stride, int64_
 }
 
 #if defined(__AVX512F__)
+// The 16 bfloat16 weights at w (one input of a block) as float32: one 32-byte load into one register.
+inline __m512 widen_bf16_avx512(const uint16_t* w) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w))), 16));
+}
+
 // bfloat16 on AVX-512: a block's 16 weights of one input are one 32-byte load widened into one
 // register (the AVX2 code needs two of each), with U independent FMA chains per row.
 template <int M>
@@ -288,10 +294,7 @@ void block_bf16_avx512(const uint16_t* w, const float* x, int64_t x_stride, int6
   for (int i = 0; i < U * M; ++i) part[i] = _mm512_setzero_ps();
   const int64_t body = in_features / U * U;
   // The 16 weights of input k, widened to float32.
-  const auto widen = [w](int64_t k) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * kBlock))), 16));
-  };
+  const auto widen = [w](int64_t k) { return widen_bf16_avx512(w + k * kBlock); };
   for (int64_t k = 0; k < body; k += U) {
     for (int line = 0; line < U * kBlock * 2 / 64; ++line)
       __builtin_prefetch(reinterpret_cast<const char*>(w + k * kBlock) + kPrefetchBytes + 64 * line, 0, 1);
@@ -336,9 +339,7 @@ void widen_blocks(const uint16_t* w, int64_t block_stride, int64_t in_features, 
       // The first chunk reads the weights from memory: ask for them ahead, as the one-row kernels do.
       if (k % 2 == 0)
         __builtin_prefetch(reinterpret_cast<const char*>(w + b * block_stride + k * kBlock) + kPrefetchBytes, 0, 1);
-      _mm512_storeu_ps(wide + (k * B + b) * kBlock,
-                       _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                           reinterpret_cast<const __m256i*>(w + b * block_stride + k * kBlock))), 16)));
+      _mm512_storeu_ps(wide + (k * B + b) * kBlock, widen_bf16_avx512(w + b * block_stride + k * kBlock));
     }
 }
 
