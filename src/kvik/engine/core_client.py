@@ -111,11 +111,13 @@ class EngineCoreClient:
         await asyncio.wait({first, watcher_done}, return_when=asyncio.FIRST_COMPLETED)
         if not first.done():
             first.cancel()
+            self._stop_reading()
             raise EngineStartError(f"the engine exited while starting ({self.dead_reason}); "
                                    "see the log above")
         message = startup_decoder().decode(first.result())
         if isinstance(message, StartupFailed):
             self._stopping = True
+            self._stop_reading()
             raise EngineStartError(message.message)
         self.info = message
         decoder = output_decoder()
@@ -129,7 +131,15 @@ class EngineCoreClient:
         # Asking first is cheaper than the zmq.Again a recv on an empty socket raises; small
         # messages are cheaper copied to bytes than wrapped in a zmq.Frame.
         while not self.outputs.closed and self.outputs.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            self._on_frame(self.outputs.recv(zmq.NOBLOCK))
+            frame = self.outputs.recv(zmq.NOBLOCK)
+            try:
+                self._on_frame(frame)
+            except Exception:  # noqa: BLE001 - one bad frame must not leave the rest unread
+                logger.exception("reading engine outputs failed")
+
+    def _stop_reading(self) -> None:
+        if self._loop is not None and not self._loop.is_closed() and not self.outputs.closed:
+            self._loop.remove_reader(self.outputs.getsockopt(zmq.FD))
 
     def _watch(self, loop: asyncio.AbstractEventLoop, done: asyncio.Future,
                on_dead: Callable[[str], None]) -> None:
@@ -189,8 +199,7 @@ class EngineCoreClient:
         if self.process is not None and self.process.is_alive():
             self.process.kill()
             self.process.join(1)
-        if self._loop is not None and not self._loop.is_closed() and not self.outputs.closed:
-            self._loop.remove_reader(self.outputs.getsockopt(zmq.FD))
+        self._stop_reading()
         self.inputs.close(linger=0)
         self.outputs.close(linger=0)
         if self._ipc_dir is not None:
