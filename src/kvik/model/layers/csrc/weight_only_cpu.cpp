@@ -788,8 +788,8 @@ void tiled_rows_avx512(const WeightView& v, const float* x, int64_t rows, int64_
   const int64_t blocks = (out_features + kBlock - 1) / kBlock, pairs = (blocks + 1) / 2;
   const int64_t chunk_rows =
       std::max<int64_t>(1, kChunkBytes / (in_features * static_cast<int64_t>(sizeof(float))) / kTileRows) * kTileRows;
-  // Stored bytes per input of a block, for the prefetch of the quantized formats.
-  const int64_t stride = v.format == kvik::kInt4 ? kBlock / 2 : (v.format == kvik::kInt8 ? kBlock : 2 * kBlock);
+  // Stored bytes per input of an int8 / int4 block, for one prefetch per 64-byte line.
+  const int64_t stride = v.format == kvik::kInt4 ? kBlock / 2 : kBlock;
   const auto widen = [&](int64_t block, int count, float* wide) {
     if (v.format == kvik::kBFloat16) {
       const auto* w = static_cast<const uint16_t*>(v.data) + block * in_features * kBlock;
@@ -799,7 +799,8 @@ void tiled_rows_avx512(const WeightView& v, const float* x, int64_t rows, int64_
     const auto* base = static_cast<const char*>(v.data);
     for (int64_t k = 0; k < in_features; ++k)
       for (int b = 0; b < count; ++b) {
-        if (k % 4 == 0) __builtin_prefetch(base + ((block + b) * in_features + k) * stride + kPrefetchBytes, 0, 1);
+        if (k * stride % 64 == 0)
+          __builtin_prefetch(base + ((block + b) * in_features + k) * stride + kPrefetchBytes, 0, 1);
         dequantize_row_avx2(v, block + b, k, wide + (k * count + b) * kBlock);
       }
   };
