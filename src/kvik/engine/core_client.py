@@ -37,6 +37,10 @@ class EngineStartError(ConfigError):
     """The engine core could not start; the message says why."""
 
 
+# Frames handled per turn of the event loop before the rest of a backlog waits for the next turn.
+_FRAMES_PER_DRAIN = 64
+
+
 class EngineCoreClient:
     def __init__(self, args: EngineArgs, *, in_thread: bool = False) -> None:
         self.args = args
@@ -130,12 +134,17 @@ class EngineCoreClient:
         """Handle every frame waiting on the outputs socket (called by the loop when its FD fires)."""
         # Asking first is cheaper than the zmq.Again a recv on an empty socket raises; small
         # messages are cheaper copied to bytes than wrapped in a zmq.Frame.
-        while not self.outputs.closed and self.outputs.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        for _ in range(_FRAMES_PER_DRAIN):
+            if self.outputs.closed or not self.outputs.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                return
             frame = self.outputs.recv(zmq.NOBLOCK)
             try:
                 self._on_frame(frame)
             except Exception:  # noqa: BLE001 - one bad frame must not leave the rest unread
                 logger.exception("reading engine outputs failed")
+        # A long backlog is read in turns, so the streams it fills get to write in between. The FD
+        # will not fire again for frames already waiting: the next turn is scheduled here.
+        self._loop.call_soon(self._drain)
 
     def _stop_reading(self) -> None:
         if self._loop is not None and not self._loop.is_closed() and not self.outputs.closed:
