@@ -25,11 +25,11 @@ import time
 import torch
 
 from kvik.core.config import EngineArgs
-from kvik.core.errors import ConfigError, InsufficientMemoryError, InvalidRequestError, KvikError
+from kvik.core.errors import ConfigError, InvalidRequestError, KvikError
 from kvik.core.pooling_params import PoolingParams
 from kvik.core.sampling_params import SamplingParams
 from kvik.core.tokenizer import TokenizerSpec
-from kvik.engine.device import default_kv_fraction, free_memory_bytes, select_device, select_dtype
+from kvik.engine.device import select_device, select_dtype
 from kvik.engine.kv_manager import KVCacheManager
 from kvik.engine.lora_manager import AdapterManager
 from kvik.engine.messages import (EngineCoreOutput, EngineCoreRequest, EngineInfo, EngineStats, LoRAAdapterInfo,
@@ -41,6 +41,7 @@ from kvik.engine.scheduler import SampledTokens, Scheduler
 from kvik.engine.spec_decode import SpecDecoder, build_spec_decoder
 from kvik.engine.structured.matcher import GrammarBackend
 from kvik.engine.scheduling_policy import make_policy
+from kvik.engine.sizing import resolve_max_model_len, resolve_token_budget, size_kv_cache
 from kvik.model.lora import LoRAModel, enable_lora
 from kvik.model.loader import checkpoint_int8_groups, load_model, load_model_config, resolve_model_path
 from kvik.model.models.registry import model_class as architecture_class
@@ -49,8 +50,6 @@ from kvik.model.quant import int8_activations, keeps_checkpoint_int4, resolve_pr
 from kvik.model.transforms import optimize_for_inference
 
 logger = logging.getLogger("kvik.engine")
-
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
 class EngineCore:
@@ -85,8 +84,10 @@ class EngineCore:
         self.uses_kv_cache: bool = getattr(model_class, "uses_kv_cache", True)
         self.pooling = load_pooling_config(path, cfg, getattr(model_class, "default_pooling", LAST),
                                            getattr(model_class, "default_normalize", True))
-        self.max_model_len = self._resolve_max_model_len()
-        self.max_num_batched_tokens = self._resolve_token_budget()
+        self.max_model_len = resolve_max_model_len(cfg, args.max_model_len, self.pooling, self.tasks)
+        self.max_num_batched_tokens = resolve_token_budget(
+            args.max_num_batched_tokens, self.max_model_len,
+            chunked_prefill=args.enable_chunked_prefill and self.uses_kv_cache)
 
         started = time.perf_counter()
         loaded = load_model(path, cfg, self.device, self.dtype, show_progress=args.show_progress,
@@ -135,8 +136,17 @@ class EngineCore:
             max_num_batched_tokens=self.max_num_batched_tokens,
             target_step_bytes=self.transforms.linear_weight_bytes)
 
-        self.kv_cache_bytes = 0  # set by _num_kv_blocks; an encoder has no KV cache
-        num_blocks = self._num_kv_blocks() if self.uses_kv_cache else 0
+        num_blocks, self.kv_cache_bytes = 0, 0  # an encoder has no KV cache
+        if self.uses_kv_cache:
+            per_block = ModelRunner.bytes_per_block(cfg.num_layers, args.block_size, cfg.num_kv_heads,
+                                                    cfg.head_dim, self.precision.kv_cache_dtype)
+            if self.spec is not None:  # a draft model keeps as many blocks of its own
+                per_block += self.spec.kv_bytes_per_block
+            kv_size = size_kv_cache(
+                bytes_per_block=per_block, device=self.device, kv_cache_memory=args.kv_cache_memory,
+                kv_cache_fraction=args.kv_cache_fraction, max_model_len=self.max_model_len,
+                block_size=args.block_size, max_num_seqs=args.max_num_seqs, weight_bytes=self.weight_bytes)
+            num_blocks, self.kv_cache_bytes = kv_size.num_blocks, kv_size.nbytes
         self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.runner = ModelRunner(self.model, num_blocks=num_blocks, block_size=args.block_size,
                                   num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
@@ -163,69 +173,6 @@ class EngineCore:
         self._arrival_counter = itertools.count()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
-
-    # -- start-up sizing --
-
-    def _resolve_max_model_len(self) -> int:
-        cfg, requested = self.model_config, self.args.max_model_len
-        limit = cfg.max_position_embeddings
-        if cfg.sliding_window and cfg.sliding_window < limit:
-            # kvik has no sliding-window attention: within the window, full attention is exact.
-            logger.warning("model uses a sliding window of %d tokens; context capped to it",
-                           cfg.sliding_window)
-            limit = cfg.sliding_window
-        if requested is None:
-            # sentence-transformers models declare the longest input they were trained on.
-            trained = self.pooling.max_seq_length
-            return min(limit, trained) if trained and self.tasks == ("embed",) else limit
-        if requested > limit:
-            raise ConfigError(f"max_model_len: {requested} exceeds the model's context length {limit}")
-        return requested
-
-    def _resolve_token_budget(self) -> int:
-        requested = self.args.max_num_batched_tokens
-        if not self.args.enable_chunked_prefill or not self.uses_kv_cache:
-            budget = requested or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_model_len)
-            if budget < self.max_model_len:
-                raise ConfigError(f"max_num_batched_tokens: {budget} is below max_model_len "
-                                  f"{self.max_model_len}; without chunked prefill (or for an "
-                                  "encoder, which has no KV cache) a whole prompt must fit one step")
-            return budget
-        return requested or DEFAULT_MAX_NUM_BATCHED_TOKENS
-
-    def _num_kv_blocks(self) -> int:
-        cfg, args = self.model_config, self.args
-        per_block = ModelRunner.bytes_per_block(cfg.num_layers, args.block_size, cfg.num_kv_heads,
-                                                cfg.head_dim, self.precision.kv_cache_dtype)
-        if self.spec is not None:  # a draft model keeps as many blocks of its own
-            per_block += self.spec.kv_bytes_per_block
-        free = free_memory_bytes(self.device)
-        if args.kv_cache_memory is not None:
-            budget = args.kv_cache_memory
-            if budget > free:
-                raise InsufficientMemoryError(
-                    f"kv_cache_memory: {budget / 2**20:.0f} MiB requested but only {free / 2**20:.0f} "
-                    f"MiB is free on {self.device} after loading the model "
-                    f"({self.weight_bytes / 2**20:.0f} MiB); lower --kv-cache-memory")
-        else:
-            budget = int(free * (args.kv_cache_fraction or default_kv_fraction(self.device)))
-        blocks_per_seq = -(-self.max_model_len // args.block_size)
-        num_blocks = budget // per_block
-        if num_blocks < blocks_per_seq:
-            raise InsufficientMemoryError(
-                f"the KV cache budget of {budget / 2**20:.1f} MiB holds {num_blocks} blocks of "
-                f"{args.block_size} tokens, but one sequence of max_model_len={self.max_model_len} needs "
-                f"{blocks_per_seq} ({blocks_per_seq * per_block / 2**20:.1f} MiB) next to the "
-                f"{self.weight_bytes / 2**20:.0f} MiB model; raise --kv-cache-memory or lower "
-                "--max-model-len")
-        # More blocks than every sequence slot can fill only feeds the prefix cache; stop there.
-        cap = 2 * args.max_num_seqs * blocks_per_seq
-        if num_blocks > cap:
-            num_blocks = cap
-        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", num_blocks, args.block_size,
-                    num_blocks * per_block / 2**20)
-        self.kv_cache_bytes = num_blocks * per_block
-        return num_blocks
 
     def info(self) -> EngineInfo:
         return EngineInfo(
