@@ -59,3 +59,53 @@ def test_ratios_are_plotted_per_model(tmp_path):
     text = out.read_text()
     assert text.startswith("<?xml") and "reference, same GGUF file" in text and "smollm2" in text
     assert target("decode tg128, tok/s") == 1.1 and target("served c=1 TTFT p50, ms") == 1.5
+
+
+def one_round(decode: float, llama_decode: float, tpot: float, llama_tpot: float) -> dict:
+    return {"kvik": {"decode_tokens_per_second": decode, "prompt_tokens_per_second": 1000.0,
+                     "offline": {"tokens_per_second": 1000.0},
+                     "served": {"1": {"p50_ttft_ms": 50.0, "p99_ttft_ms": 80.0, "p50_tpot_ms": tpot}}},
+            "llamacpp": {"decode_tokens_per_second": llama_decode, "prompt_tokens_per_second": 1000.0,
+                         "offline": {"tokens_per_second": 500.0},
+                         "served": {"1": {"p50_ttft_ms": 50.0, "p99_ttft_ms": 80.0, "p50_tpot_ms": llama_tpot}}}}
+
+
+def test_several_rounds_report_the_median_of_the_per_round_ratios_and_their_range():
+    from kvik.bench.llamacpp.harness import combine_rounds, ratio_ranges
+
+    # Round 2 ran on a busier machine for both engines: its figures are low but its ratio is not.
+    rounds = [one_round(100.0, 50.0, 10.0, 14.0), one_round(60.0, 40.0, 20.0, 36.0),
+              one_round(90.0, 60.0, 11.0, 16.5)]
+    result = combine_rounds([{"model": "reference", "pair": PAIRS[1], "gguf": "/x/ref-f16.gguf", **r}
+                             for r in rounds])
+    assert "kvik" not in result and len(result["rounds"]) == 3
+    rows = {name: (ours, theirs, ratio) for name, ours, theirs, ratio in ratio_rows(result)}
+    # Ratios per round 2.0 / 1.5 / 1.5: the median is 1.5, not the ratio of the medians (90 / 50).
+    assert rows["decode tg128, tok/s"] == (90.0, 50.0, 1.5)
+    assert rows["served c=1 TPOT p50, ms"] == (11.0, 16.5, 1.5)
+    ranges = dict(zip(rows, ratio_ranges(result)))
+    assert ranges["decode tg128, tok/s"] == (1.5, 2.0) and ranges["served c=1 TPOT p50, ms"] == (1.4, 1.8)
+    printed = "\n".join(format_result(result))
+    assert "medians of 3 rounds" in printed and "1.40-1.80x" in printed
+    # A single round reads as before, without a range column.
+    single = combine_rounds([{"model": "reference", "pair": PAIRS[1], "gguf": "/x/ref-f16.gguf", **rounds[0]}])
+    assert single["kvik"] == rounds[0]["kvik"] and "range" not in "\n".join(format_result(single))
+
+
+def test_rounds_run_round_after_round_over_every_pair(tmp_path, monkeypatch):
+    from kvik.bench.llamacpp import harness
+
+    order = []
+
+    def fake_run_pair(config, label, model, pair, round_index=0):
+        order.append((round_index, label, pair["name"]))
+        return {"model": label, "pair": pair, "gguf": f"/x/{label}.gguf", **one_round(90.0, 60.0, 10.0, 15.0)}
+
+    monkeypatch.setattr(harness, "run_pair", fake_run_pair)
+    monkeypatch.setattr(harness, "plot_ratios", lambda results, out: out)
+    config = harness.HarnessConfig(llamacpp_dir=tmp_path, models={"a": tmp_path, "b": tmp_path},
+                                   out_dir=tmp_path / "out", pairs=PAIRS[1:3], rounds=2)
+    report = harness.run_harness(config)
+    assert order == [(r, m, p["name"]) for r in (0, 1) for m in ("a", "b") for p in PAIRS[1:3]]
+    assert [len(result["rounds"]) for result in report["results"]] == [2] * 4
+    assert json.loads((tmp_path / "out" / "llamacpp.json").read_text())["config"]["rounds"] == 2

