@@ -109,3 +109,19 @@ def test_rounds_run_round_after_round_over_every_pair(tmp_path, monkeypatch):
     assert order == [(r, m, p["name"]) for r in (0, 1) for m in ("a", "b") for p in PAIRS[1:3]]
     assert [len(result["rounds"]) for result in report["results"]] == [2] * 4
     assert json.loads((tmp_path / "out" / "llamacpp.json").read_text())["config"]["rounds"] == 2
+
+
+def test_a_plot_of_several_rounds_draws_each_median_with_its_range(tmp_path):
+    pytest.importorskip("matplotlib")
+    from kvik.bench.llamacpp.harness import combine_rounds, plot_ratios
+
+    rounds = [one_round(100.0, 50.0, 10.0, 14.0), one_round(60.0, 40.0, 20.0, 36.0)]
+
+    def drawn(rounds_per_pair: list[dict], name: str) -> str:
+        results = [combine_rounds([{"model": "reference", "pair": pair, "gguf": "/x/ref.gguf", **r}
+                                   for r in rounds_per_pair]) for pair in PAIRS[:2]]
+        return plot_ratios(results, tmp_path / name).read_text()
+
+    single, several = drawn(rounds[:1], "one.svg"), drawn(rounds, "two.svg")
+    # The same bars, plus a whisker with two caps per bar (6 measures x 2 pairs).
+    assert several.count("<path") >= single.count("<path") + 12

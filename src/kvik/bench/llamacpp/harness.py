@@ -150,7 +150,8 @@ def target(measure: str) -> float:
 
 def plot_ratios(results: list[dict[str, Any]], out: Path) -> Path:
     """One panel per model: each measure's kvik / llama.cpp ratio (> 1: kvik ahead) per precision pair,
-    on a log axis with 1.0 and the issue's targets drawn, so the rows that miss stand out."""
+    on a log axis with 1.0 and the issue's targets drawn, so the rows that miss stand out; over
+    several rounds, the median with the rounds' range as a whisker."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only
@@ -167,7 +168,13 @@ def plot_ratios(results: list[dict[str, Any]], out: Path) -> Path:
         for index, result in enumerate(chosen):
             ratios = [ratio for *_, ratio in ratio_rows(result)]
             positions = [row + index * height for row in range(len(measures))]
-            axis.barh(positions, ratios, height=height, label=result["pair"]["name"])
+            # Over several rounds the bar is the median ratio and the whisker its range.
+            spread = None
+            if len(result.get("rounds") or ()) > 1:
+                ranges = ratio_ranges(result)
+                spread = [[r - low for r, (low, _) in zip(ratios, ranges)],
+                          [high - r for r, (_, high) in zip(ratios, ranges)]]
+            axis.barh(positions, ratios, height=height, xerr=spread, capsize=2, label=result["pair"]["name"])
         for row, measure in enumerate(measures):
             axis.plot([target(measure)] * 2, [row - height / 2, row + 0.8 - height / 2], color="black",
                       linestyle=":", linewidth=1)
