@@ -125,3 +125,13 @@ def test_a_plot_of_several_rounds_draws_each_median_with_its_range(tmp_path):
     single, several = drawn(rounds[:1], "one.svg"), drawn(rounds, "two.svg")
     # The same bars, plus a whisker with two caps per bar (6 measures x 2 pairs).
     assert several.count("<path") >= single.count("<path") + 12
+
+
+@pytest.mark.parametrize("rounds", ["0", "-2", "three"])
+def test_a_round_count_below_one_or_not_a_number_is_refused_before_anything_runs(rounds, capsys):
+    from kvik.cli.main import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "compare", "--llamacpp-dir", "/nonexistent", "--llamacpp-rounds", rounds])
+    assert exit_info.value.code == 2
+    assert "--llamacpp-rounds" in capsys.readouterr().err
