@@ -131,7 +131,8 @@ class EngineCoreClient:
         return message
 
     def _drain(self) -> None:
-        """Handle every frame waiting on the outputs socket (called by the loop when its FD fires)."""
+        """Handle the frames waiting on the outputs socket, up to _FRAMES_PER_DRAIN per turn (called by
+        the loop when its FD fires, and again by itself while a backlog lasts)."""
         # Asking first is cheaper than the zmq.Again a recv on an empty socket raises; small
         # messages are cheaper copied to bytes than wrapped in a zmq.Frame.
         for _ in range(_FRAMES_PER_DRAIN):

@@ -110,6 +110,10 @@ def _round_rows(kvik: dict[str, Any], llama: dict[str, Any]) -> list[tuple[str, 
     return table
 
 
+def num_rounds(result: dict[str, Any]) -> int:
+    return len(result.get("rounds") or [result])
+
+
 def round_tables(result: dict[str, Any]) -> list[list[tuple[str, float, float, float]]]:
     rounds = result.get("rounds") or [result]
     return [_round_rows(r["kvik"], r["llamacpp"]) for r in rounds]
@@ -129,7 +133,7 @@ def ratio_ranges(result: dict[str, Any]) -> list[tuple[float, float]]:
 
 
 def format_result(result: dict[str, Any]) -> list[str]:
-    rounds = len(result.get("rounds") or [result])
+    rounds = num_rounds(result)
     many = rounds > 1
     lines = [f"\n{result['model']}: kvik {json.dumps(result['pair']['kvik'])} vs llama.cpp "
              f"{result['pair']['gguf']}, same file {Path(result['gguf']).name}"
@@ -170,7 +174,7 @@ def plot_ratios(results: list[dict[str, Any]], out: Path) -> Path:
             positions = [row + index * height for row in range(len(measures))]
             # Over several rounds the bar is the median ratio and the whisker its range.
             spread = None
-            if len(result.get("rounds") or ()) > 1:
+            if num_rounds(result) > 1:
                 ranges = ratio_ranges(result)
                 spread = [[r - low for r, (low, _) in zip(ratios, ranges)],
                           [high - r for r, (_, high) in zip(ratios, ranges)]]
