@@ -62,6 +62,34 @@ def test_packed_gemv_matches_linear(kernels, out_features, in_features, bias):
         assert packed(x).shape == (2, 1, out_features)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_stream_read_reads_every_word(kernels, threads):
+    """The benchmarks' roofline read (bench.roofline.stream_reader) must touch every byte: it returns
+    the sum of the 32-bit words mod 2**32, checked on sizes that split unevenly between threads and
+    end mid-256-byte step (the tail is summed apart)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        generator = torch.Generator().manual_seed(threads)
+        for words in (1, 3, 64, 65, 1000, 123_457):
+            buffer = torch.randint(-2**31, 2**31 - 1, (words,), dtype=torch.int32, generator=generator)
+            assert kernels.stream_read(buffer) == int(buffer.to(torch.int64).sum()) % 2**32, words
+        floats = torch.randn(4099, generator=generator)  # any dtype: its bytes as words
+        assert kernels.stream_read(floats) == int(floats.view(torch.int32).to(torch.int64).sum()) % 2**32
+    finally:
+        torch.set_num_threads(previous)
+    with pytest.raises(RuntimeError, match="multiple of 4 bytes"):
+        kernels.stream_read(torch.zeros(3, dtype=torch.uint8))
+
+
+def test_stream_reader_falls_back_to_a_reduction(monkeypatch):
+    from kvik.bench import roofline
+
+    monkeypatch.setattr("kvik.model.layers.cpu_kernels.cpu_kernels", lambda: None)
+    buffer = torch.ones(1000)
+    assert roofline.stream_reader(buffer)() == 1000  # buffer.sum()
+
+
 def _hold_lock_and_hang(target: str, lock: str, started) -> None:
     """A builder that takes the lock, then hangs mid-build (killed by the test)."""
     import time

@@ -27,7 +27,7 @@ import torch
 
 from kvik.bench.offline import random_workload
 from kvik.bench.online import OnlineConfig, run_online, run_prefix, save, summary_lines
-from kvik.bench.roofline import ModelShape, Roofline, measure_roofline
+from kvik.bench.roofline import ModelShape, Roofline, measure_roofline, stream_reader
 
 
 @dataclass(slots=True)
@@ -86,7 +86,7 @@ def single_stream_decode(model: str, bytes_per_token: int, prompt_len: int = 64,
     This machine's memory bandwidth changes from second to second (a shared host: the same buffer
     reads at 31-62 GB/s within a minute), so a bandwidth figure taken before the run is no ceiling
     for the decode after it. Instead every decode step is paired with a read of the same number of
-    bytes from a buffer of that size (a reduction, the least work a read can do), right after it:
+    bytes from a buffer of that size (kvik's read kernel, `roofline.stream_reader`), right after it:
     the fraction is the total read time over the total decode time, with both sides of every pair
     seeing the same machine within milliseconds. The reads also evict the caches between steps,
     which only costs the decode."""
@@ -112,7 +112,8 @@ def paired_decode_steps(engine: Any, prompt_len: int, tokens: int, bytes_per_tok
     from kvik import SamplingParams
 
     buffer = torch.ones(bytes_per_token // 4)
-    buffer.sum()  # page it in
+    read = stream_reader(buffer)
+    read()  # page it in
     engine.add_request("solo", list(range(3, 3 + prompt_len)),
                        SamplingParams(temperature=0, max_tokens=tokens + 1, ignore_eos=True))
     engine.step()  # the prefill and the first token
@@ -121,7 +122,7 @@ def paired_decode_steps(engine: Any, prompt_len: int, tokens: int, bytes_per_tok
         started = time.perf_counter()
         engine.step()
         decoded = time.perf_counter()
-        buffer.sum()
+        read()
         decode_times.append(decoded - started)
         read_times.append(time.perf_counter() - decoded)
     while engine.has_unfinished_requests():

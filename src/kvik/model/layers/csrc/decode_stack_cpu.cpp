@@ -155,6 +155,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_inplace", &kvik::rotary_inplace, "neox-style rotary embedding, in place");
   m.def("silu_and_mul", &kvik::silu_and_mul, "out = silu(gate) * up");
   m.def("gemv_packed", &kvik::gemv_packed, "y = x W^T + b for rows of x (a few: it streams W once), W in oneDNN's packed layout");
+  m.def("stream_read", &kvik::stream_read,
+        "read a contiguous CPU tensor as the decode kernels read weights; the sum of its 32-bit words mod 2**32");
   m.def("simd_isa", &kvik::simd_isa, "the vector instructions the weight-only kernels use");
   m.def("set_portable_kernels", &kvik::set_portable_kernels,
         "run the weight-only kernels' plain loops even where AVX2 is available (for tests)");

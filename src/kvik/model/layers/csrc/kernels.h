@@ -70,6 +70,10 @@ struct LinearWeight {
   at::Tensor operator()(const at::Tensor& x) const;
 };
 
+// read_bandwidth_cpu.cpp: streams the buffer the way the decode kernels stream weights and returns
+// the sum of its 32-bit words mod 2^32 (so the reads cannot be dropped): the benchmarks' roofline.
+int64_t stream_read(const at::Tensor& buffer);
+
 // weight_only_cpu.cpp
 void check_linear_weight(const LinearWeight& weight);  // throws unless shapes and dtypes agree
 at::Tensor weight_only_linear(const at::Tensor& x, const LinearWeight& weight);
