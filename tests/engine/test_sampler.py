@@ -8,7 +8,7 @@ import torch
 from scipy import stats
 
 from kvik import LLM, SamplingParams
-from kvik.engine.sampler import Sampler
+from kvik.engine.sampler import Sampler, argmax_rows
 from tests.engine.helpers import make_request
 
 VOCAB = 50
@@ -75,6 +75,18 @@ def test_greedy_takes_argmax_after_processors():
     assert sampler(logits, [make_request([0], SamplingParams(temperature=0))]).token_ids == [1]
     biased = SamplingParams(temperature=0, logit_bias={2: 5.0})
     assert sampler(logits, [make_request([0], biased)]).token_ids == [2]
+
+
+def test_argmax_rows_agrees_with_torch_on_every_path(monkeypatch):
+    """The kernel for float32 CPU rows, PyTorch's argmax for anything else or without the kernels."""
+    values = torch.randn(3, 40)
+    values[1, 7] = values[1, 30] = 9.0  # a tie: the first index
+    expected = values.argmax(dim=-1)
+    assert torch.equal(argmax_rows(values), expected)
+    assert torch.equal(argmax_rows(values.double()), expected)
+    assert torch.equal(argmax_rows(values.t().contiguous().t()), expected)  # not contiguous
+    monkeypatch.setattr("kvik.engine.sampler.cpu_kernels", lambda: None)
+    assert torch.equal(argmax_rows(values), expected)
 
 
 def test_penalties_follow_their_formulas():

@@ -90,6 +90,38 @@ def test_stream_reader_falls_back_to_a_reduction(monkeypatch):
     assert roofline.stream_reader(buffer)() == 1000  # buffer.sum()
 
 
+def test_argmax_rows_is_torch_argmax(kernels):
+    """The sampler's argmax (greedy tokens, the sampled draw) must pick exactly what torch.argmax
+    picks: the first index of the largest value, the first NaN if any, index 0 for a row of -inf."""
+    generator = torch.Generator().manual_seed(0)
+    for n in (1, 15, 16, 17, 31, 32, 33, 100, 32000, 49152):
+        rows = torch.randn(5, n, generator=generator)
+        assert torch.equal(kernels.argmax_rows(rows), rows.argmax(dim=-1)), n
+        # Ties everywhere: small integers, so the largest value repeats across lanes and the tail.
+        tied = torch.randint(0, 4, (6, n), generator=generator).float()
+        assert torch.equal(kernels.argmax_rows(tied), tied.argmax(dim=-1)), n
+    n = 1000
+    special = torch.randn(9, n, generator=generator)
+    special[0] = float("-inf")  # a row the grammar masked entirely
+    special[1, 700] = float("inf")
+    special[2, 5] = float("nan")  # in the vector part
+    special[3, 990:] = float("nan")  # in the tail (1000 = 62 vectors of 16 + 8)
+    special[3, 999] = 100.0
+    special[4, 0] = float("nan")
+    special[5] = 0.0
+    special[5, 600] = -0.0  # equal to 0.0: the first zero wins
+    special[6, 0] = 50.0
+    special[6, 17] = 50.0  # a tie between lanes: the smaller index
+    special[7, 33] = 60.0
+    special[7, 1] = 60.0
+    special[8, 998] = 70.0  # the maximum in the tail
+    expected = special.argmax(dim=-1)
+    assert torch.equal(kernels.argmax_rows(special), expected)
+    assert expected[:5].tolist() == [0, 700, 5, 990, 0]
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        kernels.argmax_rows(torch.zeros(2, 3, dtype=torch.float64))
+
+
 def _hold_lock_and_hang(target: str, lock: str, started) -> None:
     """A builder that takes the lock, then hangs mid-build (killed by the test)."""
     import time

@@ -24,6 +24,19 @@ import torch
 from kvik.engine.messages import TokenLogprobs
 from kvik.engine.request import Request
 from kvik.engine.structured.matcher import GrammarBackend
+from kvik.model.layers.cpu_kernels import cpu_kernels
+
+
+def argmax_rows(values: torch.Tensor) -> torch.Tensor:
+    """values.argmax(dim=-1) for (R, V) rows. Float32 rows on the CPU go to kvik's kernel: PyTorch's
+    CPU argmax walks a row one element at a time (55 us for one 32000-entry row, 1.1-1.7 ms for 16
+    rows on the 2-core AVX-512 machine, a few percent of a decode step). Same answer: the first
+    index of the largest value, or of the first NaN."""
+    if values.device.type == "cpu" and values.dtype == torch.float32 and values.dim() == 2 and values.shape[1]:
+        kernels = cpu_kernels()
+        if kernels is not None:
+            return kernels.argmax_rows(values.contiguous())
+    return values.argmax(dim=-1)
 
 
 @dataclass(slots=True)
@@ -60,12 +73,12 @@ class Sampler:
         greedy = [i for i, r in enumerate(requests) if r.params.greedy]
         sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
         if not sampled:  # all greedy (single-stream decoding, mostly): no row gathers
-            chosen = processed.argmax(dim=-1)
+            chosen = argmax_rows(processed)
         else:
             chosen = torch.empty(rows, dtype=torch.long, device=logits.device)
         if greedy and sampled:
             index = torch.tensor(greedy, device=logits.device)
-            chosen[index] = processed[index].argmax(dim=-1)
+            chosen[index] = argmax_rows(processed[index])
         if sampled:
             index = torch.tensor(sampled, device=logits.device)
             chosen[index] = self._draw(processed[index], [requests[i] for i in sampled])
@@ -153,7 +166,7 @@ class Sampler:
             if request.params.seed is not None:
                 noise[i].exponential_(generator=self.generator_for(request))
         # Exp(1) can return exactly 0; 0/0 would be NaN, which argmax would pick.
-        choice = (probs / noise.clamp_min_(1e-30)).argmax(dim=-1)
+        choice = argmax_rows(probs / noise.clamp_min_(1e-30))
         if order is not None:
             choice = order.gather(1, choice[:, None]).squeeze(1)
         return choice

@@ -25,7 +25,7 @@ from kvik.core.errors import ConfigError
 from kvik.core.tokenizer import TokenizerSpec
 from kvik.engine.model_runner import VerifySlice
 from kvik.engine.request import Request, RequestStatus
-from kvik.engine.sampler import Sampler, prompt_logprobs_for
+from kvik.engine.sampler import Sampler, argmax_rows, prompt_logprobs_for
 from kvik.engine.scheduler import SampledTokens
 from kvik.engine.spec_decode.adaptive import AdaptiveK
 from kvik.engine.spec_decode.proposer import DraftContext, Proposer
@@ -128,7 +128,7 @@ class SpecDecoder:
             processed = self.sampler.processed(rows, contexts)
             state: SpecState = request.spec_state
             if request.params.greedy:
-                tokens = greedy_accept(processed.argmax(dim=-1).tolist(), drafts)
+                tokens = greedy_accept(argmax_rows(processed).tolist(), drafts)
             else:
                 target = self.sampler.distribution(processed, contexts)
                 draft_probs = state.draft_probs[:k] if state.draft_probs is not None else None

@@ -25,7 +25,7 @@ from kvik.core.tokenizer import TokenizerSpec
 from kvik.engine.block_pool import BlockPool, KVBlock
 from kvik.engine.model_runner import ModelRunner
 from kvik.engine.request import Request, RequestStatus
-from kvik.engine.sampler import Sampler
+from kvik.engine.sampler import Sampler, argmax_rows
 from kvik.engine.scheduler import ScheduledChunk
 from kvik.engine.spec_decode.proposer import Draft, DraftContext
 from kvik.engine.spec_decode.rejection import draw_token
@@ -154,7 +154,7 @@ class DraftModelProposer:
         sampled = [i for i, c in enumerate(chunks) if not c.request.params.greedy]
         distributions = (self.sampler.distribution(processed[sampled], [contexts[i] for i in sampled])
                          if sampled else None)
-        greedy_tokens = processed.argmax(dim=-1).tolist()
+        greedy_tokens = argmax_rows(processed).tolist()
         for i, chunk in enumerate(chunks):
             request = chunk.request
             if request.params.greedy:

@@ -154,6 +154,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_add_rms_norm", &kvik::fused_add_rms_norm, "residual += x; x = rms_norm(residual) * weight");
   m.def("rotary_inplace", &kvik::rotary_inplace, "neox-style rotary embedding, in place");
   m.def("silu_and_mul", &kvik::silu_and_mul, "out = silu(gate) * up");
+  m.def("argmax_rows", &kvik::argmax_rows, "values.argmax(dim=-1) for a contiguous float32 (rows, n) tensor");
   m.def("gemv_packed", &kvik::gemv_packed, "y = x W^T + b for rows of x (a few: it streams W once), W in oneDNN's packed layout");
   m.def("stream_read", &kvik::stream_read,
         "read a contiguous CPU tensor as the decode kernels read weights; the sum of its 32-bit words mod 2**32");

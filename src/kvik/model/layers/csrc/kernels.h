@@ -17,6 +17,8 @@ void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, do
 void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
 void rotary_inplace(at::Tensor& qk, const at::Tensor& cos, const at::Tensor& sin);
 void silu_and_mul(at::Tensor& out, const at::Tensor& gate_up);
+// (rows,) int64: what values.argmax(dim=-1) returns for a contiguous float32 (rows, n) tensor.
+at::Tensor argmax_rows(const at::Tensor& values);
 
 // paged_attention_cpu.cpp. The caches are (kv_heads, blocks, block_size, head_dim) in float32,
 // bfloat16 or int8; int8 caches carry float16 scales (kv_heads, blocks, block_size), one per token
