@@ -8,7 +8,7 @@ import torch
 from scipy import stats
 
 from kvik import LLM, SamplingParams
-from kvik.engine.sampler import Sampler, argmax_rows
+from kvik.engine.sampler import Sampler, argmax_rows, inverse_cdf_draw
 from tests.engine.helpers import make_request
 
 VOCAB = 50
@@ -87,6 +87,19 @@ def test_argmax_rows_agrees_with_torch_on_every_path(monkeypatch):
     assert torch.equal(argmax_rows(values.t().contiguous().t()), expected)  # not contiguous
     monkeypatch.setattr("kvik.engine.sampler.cpu_kernels", lambda: None)
     assert torch.equal(argmax_rows(values), expected)
+
+
+def test_inverse_cdf_draw_picks_by_cumulative_weight_and_never_a_zero():
+    weights = torch.tensor([[0.0, 0.25, 0.0, 0.5, 0.25, 0.0]] * 6)
+    uniforms = torch.tensor([0.0, 0.2499, 0.25, 0.7499, 0.75, 1.0 - 2**-53], dtype=torch.float64)
+    assert inverse_cdf_draw(weights, uniforms).tolist() == [1, 1, 3, 3, 4, 4]
+    # Unnormalised weights (the spec-decode residual) and a long row of tiny weights after a big one:
+    # float64 sums keep each tiny weight's share.
+    row = torch.full((1, 40000), 1e-9)
+    row[0, 0] = 1.0
+    total = float(row.double().cumsum(dim=-1)[0, -1])  # the sum the draw scales u by
+    assert inverse_cdf_draw(row, torch.tensor([1.0 / total - 1e-12], dtype=torch.float64)).item() == 0
+    assert inverse_cdf_draw(row, torch.tensor([(1.0 + 2.5e-9) / total], dtype=torch.float64)).item() == 3
 
 
 def test_penalties_follow_their_formulas():

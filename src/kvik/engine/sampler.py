@@ -7,9 +7,12 @@ temperature, top-k, top-p, min-p, and a draw. Returned logprobs are those of the
 distribution (log-softmax of the unprocessed logits), as vLLM and OpenAI report them: a constrained
 token's logprob says how likely the model found it, not how likely the grammar left it.
 
-A draw is argmax(p / e) with e ~ Exp(1) per vocabulary entry, which picks token i with probability p_i.
-A seeded request draws e from its own generator, one draw per step, so its tokens do not depend on
-what else shares the batch.
+A draw inverts the cumulative distribution: one uniform u per row, and the first token whose cumulative
+probability (float64) exceeds u times the row's total, which picks token i with probability p_i. A
+seeded request draws u from its own generator, one draw per step, so its tokens do not depend on
+what else shares the batch. (An earlier draw, argmax(p / e) with e ~ Exp(1) per vocabulary entry,
+spent 10.8 ms of a 16-row step generating 512,000 exponentials on the CPU; this one draws 16
+numbers and adds up 512,000.)
 
 Speculative decoding (kvik.engine.spec_decode) verifies draft tokens against the same distribution:
 `processed` and `distribution` give it the rows this sampler would draw from.
@@ -25,6 +28,17 @@ from kvik.engine.messages import TokenLogprobs
 from kvik.engine.request import Request
 from kvik.engine.structured.matcher import GrammarBackend
 from kvik.model.layers.cpu_kernels import cpu_kernels
+
+
+def inverse_cdf_draw(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """(R,) token ids: row i's first index whose cumulative weight exceeds uniforms[i] (in [0, 1))
+    times the row's total, so index j comes with probability weights[i, j] / total. Sums in float64
+    (a float32 running sum over a large vocabulary drifts by more than a small probability); a
+    zero-weight entry adds nothing to the sum, so it can never be picked."""
+    cumulative = weights.to(torch.float64).cumsum(dim=-1)
+    targets = uniforms.to(torch.float64) * cumulative[:, -1]
+    chosen = torch.searchsorted(cumulative, targets[:, None], right=True).squeeze(1)
+    return chosen.clamp_(max=weights.shape[-1] - 1)  # u * total rounding up to total
 
 
 def argmax_rows(values: torch.Tensor) -> torch.Tensor:
@@ -79,7 +93,9 @@ class Sampler:
         if greedy and sampled:
             index = torch.tensor(greedy, device=logits.device)
             chosen[index] = argmax_rows(processed[index])
-        if sampled:
+        if sampled and not greedy:  # all sampled: no row gathers either
+            chosen = self._draw(processed, requests)
+        elif sampled:
             index = torch.tensor(sampled, device=logits.device)
             chosen[index] = self._draw(processed[index], [requests[i] for i in sampled])
         token_ids = chosen.tolist()
@@ -156,17 +172,17 @@ class Sampler:
 
     def _draw(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         probs, order = self._filtered_probs(logits, requests)
-        device, vocab = probs.device, probs.shape[-1]
-        noise = torch.empty_like(probs)
+        device = probs.device
+        uniforms = torch.empty(len(requests), dtype=torch.float64, device=device)
         unseeded = [i for i, r in enumerate(requests) if r.params.seed is None]
         if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), vocab, device=device).exponential_(
-                generator=self.generator)
+            uniforms[unseeded] = torch.rand(len(unseeded), dtype=torch.float64, device=device,
+                                            generator=self.generator)
         for i, request in enumerate(requests):
             if request.params.seed is not None:
-                noise[i].exponential_(generator=self.generator_for(request))
-        # Exp(1) can return exactly 0; 0/0 would be NaN, which argmax would pick.
-        choice = argmax_rows(probs / noise.clamp_min_(1e-30))
+                uniforms[i] = torch.rand(1, dtype=torch.float64, device=device,
+                                         generator=self.generator_for(request))[0]
+        choice = inverse_cdf_draw(probs, uniforms)
         if order is not None:
             choice = order.gather(1, choice[:, None]).squeeze(1)
         return choice

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from kvik.engine.sampler import inverse_cdf_draw
+
 
 def greedy_accept(target_token_ids: list[int], draft_token_ids: list[int]) -> list[int]:
     """target_token_ids: the target's argmax after the known tokens and after each draft (k + 1).
@@ -51,7 +53,7 @@ def speculative_sample(target_probs: torch.Tensor, draft_token_ids: list[int],
 
 
 def draw_token(weights: torch.Tensor, generator: torch.Generator) -> int:
-    """A token with probability proportional to `weights` (V,): argmax(w / e), e ~ Exp(1), the
-    sampler's own rule."""
-    noise = torch.empty_like(weights).exponential_(generator=generator).clamp_min_(1e-30)
-    return int((weights / noise).argmax())
+    """A token with probability proportional to `weights` (V,), by the sampler's own rule (one
+    uniform from `generator`, inverted through the cumulative weights)."""
+    uniform = torch.rand(1, dtype=torch.float64, device=weights.device, generator=generator)
+    return int(inverse_cdf_draw(weights[None], uniform)[0])
