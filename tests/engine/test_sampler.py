@@ -24,7 +24,7 @@ def target_distribution(logits: torch.Tensor, temperature: float, top_p: float, 
     for rank, token in enumerate(order.tolist()):
         if top_k and rank >= top_k:
             break
-        if rank > 0 and mass > top_p:
+        if not top_k and rank > 0 and mass > top_p:  # with top-k, top-p cuts below instead
             break
         keep[token] = True
         mass += probs[token].item()
@@ -67,6 +67,38 @@ def test_sampled_frequencies_follow_the_target_distribution(temperature, top_p, 
         observed, expect = observed[:-1], expect[:-1]
     result = stats.chisquare(observed.numpy(), expect.numpy())
     assert result.pvalue > 0.001, result
+
+
+def test_filters_on_a_large_vocabulary_match_the_written_out_distribution():
+    """With 5000 tokens the filters take their best 256 or 2048 tokens where those hold everything
+    they keep, and sort the whole row otherwise: rows of each kind, and an unfiltered one, in one
+    batch, each against target_distribution and against the same row alone."""
+    vocab = 5000
+    generator = torch.Generator().manual_seed(5)
+    base = torch.randn(vocab, generator=generator)
+    rows = [  # (logit scale, temperature, top_p, top_k, min_p): the width each needs
+        (8.0, 0.8, 0.9, 0, 0.0),      # peaked: 256
+        (2.2, 1.0, 0.9, 0, 0.0),      # broader: 2048
+        (0.1, 1.0, 0.9, 0, 0.0),      # nearly flat: the full sort
+        (0.3, 1.0, 1.0, 10, 0.0),     # top-k inside 256
+        (6.0, 1.0, 0.5, 3000, 0.0),   # top-k past 2048, cut by top-p
+        (6.0, 1.0, 1.0, 0, 0.05),     # min-p alone
+        (0.1, 1.0, 1.0, 0, 0.5),      # min-p keeping most of a flat row: the full sort
+        (1.0, 1.0, 1.0, 0, 0.0),      # no filter
+    ]
+    logits = torch.stack([base * scale for scale, *_ in rows])
+    requests = [make_request([1], SamplingParams(temperature=t, top_p=p, top_k=k, min_p=m))
+                for _, t, p, k, m in rows]
+    sampler = Sampler(vocab, [], torch.device("cpu"))
+    together = sampler.distribution(logits, requests)
+    assert together.shape == (len(rows), vocab)
+    for i, (_, temperature, top_p, top_k, min_p) in enumerate(rows):
+        expected = target_distribution(logits[i], temperature, top_p, top_k, min_p).float()
+        assert torch.allclose(together[i], expected, atol=1e-6), i
+        alone = sampler.distribution(logits[i:i + 1], [requests[i]])[0]
+        assert torch.equal(alone, together[i]), i
+    kept = (together > 0).sum(dim=-1).tolist()
+    assert kept[0] <= 256 < kept[1] <= 2048 < kept[2] and kept[3] == 10 and kept[7] == vocab
 
 
 def test_greedy_takes_argmax_after_processors():
