@@ -1,0 +1,25 @@
+"""`bench/sampler.py`, run small: every setting on both logit shapes, kvik beside HF, one line each."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_sampler_bench_prints_a_line_per_setting():
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / "sampler.py"), "--vocab", "300",
+                             "--rows", "1,3", "--repeats", "1"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    lines = [line.split() for line in result.stdout.splitlines() if line.strip().startswith("300")]
+    assert len(lines) == 2 * 2 * 5  # rows x logit shapes x settings
+    assert {line[3] for line in lines} == {"greedy", "T=0.8", "top_p=0.9", "top_k=40", "logprobs=1"}
+    assert all(float(line[4]) > 0 and float(line[5]) > 0 and line[6].endswith("x") for line in lines)
+
+
+def test_sampler_bench_refuses_zero_repeats():
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / "sampler.py"), "--repeats", "0"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "--repeats" in result.stderr
