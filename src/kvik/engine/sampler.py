@@ -121,16 +121,15 @@ class Sampler:
 
         greedy = [i for i, r in enumerate(requests) if r.params.greedy]
         sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
-        if not sampled:  # all greedy (single-stream decoding, mostly): no row gathers
+        # All greedy (single-stream decoding, mostly) or all sampled: no row gathers.
+        if not sampled:
             chosen = argmax_rows(processed)
+        elif not greedy:
+            chosen = self._draw(processed, requests)
         else:
             chosen = torch.empty(rows, dtype=torch.long, device=logits.device)
-        if greedy and sampled:
             index = torch.tensor(greedy, device=logits.device)
             chosen[index] = argmax_rows(processed[index])
-        if sampled and not greedy:  # all sampled: no row gathers either
-            chosen = self._draw(processed, requests)
-        elif sampled:
             index = torch.tensor(sampled, device=logits.device)
             chosen[index] = self._draw(processed[index], [requests[i] for i in sampled])
         token_ids = chosen.tolist()
