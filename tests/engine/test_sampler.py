@@ -134,6 +134,17 @@ def test_inverse_cdf_draw_picks_by_cumulative_weight_and_never_a_zero():
     assert inverse_cdf_draw(row, torch.tensor([(1.0 + 2.5e-9) / total], dtype=torch.float64)).item() == 3
 
 
+def test_a_batch_of_greedy_and_sampled_rows_gives_each_its_own_rule():
+    generator = torch.Generator().manual_seed(2)
+    logits = torch.randn(4, 300, generator=generator) * 4
+    greedy, sampled = SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_k=3, seed=9)
+    requests = [make_request([1], p) for p in (greedy, sampled, greedy, sampled)]
+    tokens = Sampler(300, [], torch.device("cpu"))(logits, requests).token_ids
+    assert tokens[0] == logits[0].argmax() and tokens[2] == logits[2].argmax()
+    for row in (1, 3):
+        assert tokens[row] in logits[row].topk(3).indices.tolist()
+
+
 def test_penalties_follow_their_formulas():
     logits = torch.tensor([[2.0, -1.0, 0.5, 1.0, 3.0]])
     params = SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)
