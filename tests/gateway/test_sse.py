@@ -60,3 +60,43 @@ def test_stream_errors_are_classified_by_who_caused_them() -> None:
     assert classify_error({"message": "x", "type": "BadRequestError", "code": 400}) == (400, True)
     assert classify_error({"message": "x", "code": 503}) == (503, False)
     assert classify_error({"message": "x"}) == (502, False)
+
+
+def test_a_relayed_stream_settles_before_its_last_message() -> None:
+    """RelayResponse runs on_close (where the gateway settles the tokens a request held) before the
+    body's final message, so a client that sends its next request the moment a stream ends finds
+    the last one settled; and exactly once, when the client leaves mid-stream too."""
+    import anyio
+
+    from kvik.gateway.relay import RelayResponse
+
+    async def run(leave_after: int | None) -> list[str]:
+        events: list[str] = []
+
+        async def content():  # noqa: ANN202
+            for part in (b"data: 1\n\n", b"data: 2\n\n"):
+                yield part
+
+        async def on_close() -> None:
+            await anyio.sleep(0.01)  # settling takes a moment (a database, Redis)
+            events.append("settled")
+
+        async def send(message: dict) -> None:  # noqa: ANN001
+            if message["type"] == "http.response.body":
+                if leave_after is not None and events.count("chunk") == leave_after:
+                    raise OSError("client gone")
+                events.append("chunk" if message.get("more_body") else "end")
+
+        async def receive() -> dict:
+            await anyio.sleep(10)
+            return {"type": "http.disconnect"}
+
+        scope = {"type": "http", "asgi": {"spec_version": "2.4"}}
+        try:
+            await RelayResponse(content(), on_close, media_type="text/event-stream")(scope, receive, send)
+        except Exception:  # noqa: BLE001 - starlette turns the OSError into ClientDisconnect
+            pass
+        return events
+
+    assert anyio.run(run, None) == ["chunk", "chunk", "settled", "end"]
+    assert anyio.run(run, 1) == ["chunk", "settled"]

@@ -138,12 +138,29 @@ class RelayResponse(StreamingResponse):
         self._on_close = on_close
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
+        closed = False
+
+        async def close_once() -> None:
+            nonlocal closed
+            if closed:
+                return
+            closed = True
             with anyio.CancelScope(shield=True):  # cleanup must run even while being cancelled
                 await self._content.aclose()  # type: ignore[attr-defined]
                 await self._on_close()
+
+        async def send_after_close(message: dict[str, Any]) -> None:
+            # The response's last message goes out after on_close (the tokens settled): a client
+            # that sends its next request the moment this one ends must not still find this one's
+            # whole reservation held (it did, under load: 429s for a key well inside its limit).
+            if message.get("type") == "http.response.body" and not message.get("more_body", False):
+                await close_once()
+            await send(message)
+
+        try:
+            await super().__call__(scope, receive, send_after_close)
+        finally:
+            await close_once()
 
 
 async def replay(chunks: tuple[bytes, ...]) -> AsyncIterator[bytes]:
