@@ -86,10 +86,23 @@ def median_ms(step: Callable[[torch.Tensor], Any], logits: torch.Tensor, repeats
     return statistics.median(times) * 1e3
 
 
+def positive_ints(text: str) -> list[int]:
+    """argparse type: "32000,49152" -> [32000, 49152], each at least 1."""
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated whole numbers") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated numbers of at least 1")
+    return values
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--vocab", default="32000,49152", help="vocabulary sizes, comma-separated")
-    parser.add_argument("--rows", default="1,16", help="rows per call (the decode batch), comma-separated")
+    parser.add_argument("--vocab", default="32000,49152", type=positive_ints,
+                        help="vocabulary sizes, comma-separated")
+    parser.add_argument("--rows", default="1,16", type=positive_ints,
+                        help="rows per call (the decode batch), comma-separated")
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args(argv)
     if args.repeats < 1:
@@ -97,8 +110,8 @@ def main(argv: list[str]) -> int:
     print(f"threads: {torch.get_num_threads()}")
     print(f"{'vocab':>6} {'rows':>4} {'logits':<7} {'setting':<11} {'kvik ms':>8} {'HF ms':>8} {'ratio':>6}")
     generator = torch.Generator().manual_seed(0)
-    for vocab in (int(v) for v in args.vocab.split(",")):
-        for rows in (int(r) for r in args.rows.split(",")):
+    for vocab in args.vocab:
+        for rows in args.rows:
             for shape, scale in (("flat", 1.0), ("peaked", 6.0)):
                 logits = torch.randn(rows, vocab, generator=generator) * scale
                 for name, setting in SETTINGS.items():

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -19,7 +21,9 @@ def test_sampler_bench_prints_a_line_per_setting():
     assert all(float(line[4]) > 0 and float(line[5]) > 0 and line[6].endswith("x") for line in lines)
 
 
-def test_sampler_bench_refuses_zero_repeats():
-    result = subprocess.run([sys.executable, str(ROOT / "bench" / "sampler.py"), "--repeats", "0"],
+@pytest.mark.parametrize("flags,named", [(["--repeats", "0"], "--repeats"), (["--vocab", "big"], "--vocab"),
+                                         (["--rows", "0,16"], "--rows"), (["--vocab", ""], "--vocab")])
+def test_sampler_bench_refuses_bad_flags(flags, named):
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / "sampler.py"), *flags],
                             capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and "--repeats" in result.stderr
+    assert result.returncode == 2 and named in result.stderr and "Traceback" not in result.stderr

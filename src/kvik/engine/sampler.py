@@ -66,13 +66,14 @@ def _filter_sorted(values: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
     remove = (mass - probs) > top_p[:, None]
     remove |= probs < min_p[:, None] * probs[:, :1]
     remove[:, 0] = False  # the most likely token always survives
-    # A token past the width has mass before it of at least mass[:, -1] and a probability of at most
-    # probs[:, -1]: top-p removes it when mass[:, -1] > top_p, min-p when probs[:, -1] < min_p * max.
-    covered = (top_k <= width) | (mass[:, -1] > top_p) | (probs[:, -1] < min_p * probs[:, 0])
-    # A top-k past the width renormalises over tokens this view does not hold: unknown here.
-    covered &= (top_k <= width) | (top_k >= vocab)
     if log_total is None:
-        covered = torch.ones_like(covered)
+        covered = torch.ones_like(remove[:, 0])
+    else:
+        # A token past the width has mass before it of at least mass[:, -1] and a probability of at
+        # most probs[:, -1]: top-p removes it when mass[:, -1] > top_p, min-p when probs[:, -1] <
+        # min_p * max. A top-k past the width renormalises over tokens this view does not hold.
+        covered = (top_k <= width) | (mass[:, -1] > top_p) | (probs[:, -1] < min_p * probs[:, 0])
+        covered &= (top_k <= width) | (top_k >= vocab)
     return probs.masked_fill(remove, 0.0), covered
 
 
