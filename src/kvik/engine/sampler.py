@@ -237,8 +237,9 @@ class Sampler:
                              device=device)
         top_p = torch.tensor([r.params.top_p for r in requests], device=device)
         min_p = torch.tensor([r.params.min_p for r in requests], device=device)
-        probs = logits.softmax(dim=-1)
         remaining = ((top_k < vocab) | (top_p < 1.0) | (min_p > 0)).nonzero().squeeze(1)
+        # Rows without a filter take the plain softmax; the filtered ones are written whole below.
+        probs = logits.softmax(dim=-1) if len(remaining) < len(requests) else torch.empty_like(logits)
         # The filters need the tokens in order of probability. A full sort of the vocabulary
         # (PyTorch's CPU sort: 1.1 ms a row at 32000 tokens) is only needed where they keep most of
         # it; usually they keep a few, so each row first tries its best 256 tokens (topk: 0.1 ms a

@@ -35,7 +35,7 @@ uint32_t sum_words(const char* p, int64_t bytes) {
   return static_cast<uint32_t>(
       _mm512_reduce_add_epi32(_mm512_add_epi32(_mm512_add_epi32(a0, a1), _mm512_add_epi32(a2, a3))));
 #else
-  // Elsewhere: 64 bytes a step in eight independent sums, which GCC vectorises for the target.
+  // Elsewhere: 64 bytes a step into sixteen independent sums, which GCC vectorises for the target.
   uint32_t sums[16] = {};
   for (int64_t i = 0; i < bytes; i += 64) {
     __builtin_prefetch(p + i + kvik::kWeightPrefetchBytes, 0, 1);
@@ -61,7 +61,7 @@ int64_t stream_read(const at::Tensor& buffer) {
   const int64_t chunks = bytes / 256;
   // One contiguous range per thread (grain = an even share), like the kernels' ranges of blocks.
   const int64_t grain = std::max<int64_t>(1, chunks / std::max(1, at::get_num_threads()));
-  std::vector<uint32_t> partial(static_cast<size_t>(at::get_num_threads()) + 1, 0);
+  std::vector<uint32_t> partial(static_cast<size_t>(at::get_num_threads()), 0);  // one per thread
   at::parallel_for(0, chunks, grain, [&](int64_t begin, int64_t end) {
     partial[at::get_thread_num()] += sum_words(p + begin * 256, (end - begin) * 256);
   });
