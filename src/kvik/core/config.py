@@ -55,6 +55,8 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     threads: int | None = None  # CPU intra-op threads; default: torch's choice
+    # CUDA: run every step eagerly, without recording decode steps as CUDA graphs.
+    enforce_eager: bool = False
     show_progress: bool = True  # progress bar while loading weights
     # Speculative decoding (kvik.engine.spec_decode): "ngram" (prompt lookup) or "draft" (a smaller
     # model with the same tokenizer, `speculative_model`); None turns it off.
@@ -259,6 +261,10 @@ class EngineArgs:
         group.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
                            help="schedule each prompt whole (needs a token budget >= max-model-len)")
         group.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+        group.add_argument("--enforce-eager", action="store_true",
+                           help="CUDA: launch every step's kernels one by one instead of replaying "
+                                "decode steps as CUDA graphs (default: graphs, recorded per batch "
+                                "shape on first use)")
         spec = parser.add_argument_group("speculative decoding")
         spec.add_argument("--speculative-method", default=None, choices=SPECULATIVE_METHODS,
                           help="propose draft tokens and verify them in one forward: ngram (prompt "
@@ -327,7 +333,7 @@ _FIELD_TYPES: dict[str, Any] = {
     "model": str, "tokenizer": str, "revision": str, "device": str, "dtype": str, "seed": int,
     "max_model_len": int, "block_size": int, "kv_cache_memory": int, "kv_cache_fraction": (int, float),
     "max_num_seqs": int, "max_num_batched_tokens": int, "enable_prefix_caching": bool,
-    "enable_chunked_prefill": bool, "threads": int, "show_progress": bool, "quantization": str,
+    "enable_chunked_prefill": bool, "threads": int, "enforce_eager": bool, "show_progress": bool, "quantization": str,
     "quantization_group_size": int, "quantization_zero_point": bool, "kv_cache_dtype": str, "activations": str,
     "speculative_method": str, "num_speculative_tokens": int, "speculative_model": str,
     "speculative_quantization": str,

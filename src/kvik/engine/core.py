@@ -29,6 +29,7 @@ from kvik.core.errors import ConfigError, InvalidRequestError, KvikError
 from kvik.core.pooling_params import PoolingParams
 from kvik.core.sampling_params import SamplingParams
 from kvik.core.tokenizer import TokenizerSpec
+from kvik.engine import cuda_graphs
 from kvik.engine.device import select_device, select_dtype
 from kvik.engine.kv_manager import KVCacheManager
 from kvik.engine.lora_manager import AdapterManager
@@ -148,11 +149,16 @@ class EngineCore:
                 block_size=args.block_size, max_num_seqs=args.max_num_seqs, weight_bytes=self.weight_bytes)
             num_blocks, self.kv_cache_bytes = kv_size.num_blocks, kv_size.nbytes
         self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        # A decode step has a row per sequence, or per draft plus one when verifying drafts.
+        decode_rows = args.max_num_seqs * (1 + (args.num_speculative_tokens if self.spec is not None else 0))
+        graphs = cuda_graphs.decode_graph_settings(
+            self.device, enforce_eager=args.enforce_eager, max_model_len=self.max_model_len,
+            max_rows=min(decode_rows, self.max_num_batched_tokens))
         self.runner = ModelRunner(self.model, num_blocks=num_blocks, block_size=args.block_size,
                                   num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
                                   head_dim=cfg.head_dim, device=self.device,
                                   kv_cache_dtype=self.precision.kv_cache_dtype, pooling=self.pooling,
-                                  lora=lora_model)
+                                  lora=lora_model, graphs=graphs)
         spec_eos = [self.tokenizer_spec.eos_token_id] if self.tokenizer_spec.eos_token_id is not None else []
         self.eos_token_ids = list(dict.fromkeys(cfg.eos_token_ids + spec_eos))
         self.scheduler = Scheduler(self.kv, args.max_num_seqs, self.max_num_batched_tokens,
@@ -168,7 +174,7 @@ class EngineCore:
         self.sampler = Sampler(cfg.vocab_size, self.eos_token_ids, self.device, seed=args.seed,
                                grammars=self.grammars)
         if self.spec is not None:
-            self.spec.start(num_blocks, self.sampler)
+            self.spec.start(num_blocks, self.sampler, graphs)
         self.groups: dict[str, RequestGroup] = {}
         self._arrival_counter = itertools.count()
         self.prompt_tokens_total = 0

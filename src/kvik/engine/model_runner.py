@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from kvik.engine.cuda_graphs import DecodeGraphs, GraphSettings
 from kvik.engine.device import advise_huge_pages
 from kvik.engine.scheduler import ScheduledChunk
 from kvik.model.layers.attention import AttentionMetadata, PrefillSpan
@@ -68,25 +69,33 @@ SMALL_CHUNK_DECODE_ROWS = 4
 class ModelRunner:
     def __init__(self, model: nn.Module, *, num_blocks: int, block_size: int, num_layers: int,
                  num_kv_heads: int, head_dim: int, device: torch.device, kv_cache_dtype: torch.dtype,
-                 pooling: PoolingConfig | None = None, lora: LoRAModel | None = None) -> None:
+                 pooling: PoolingConfig | None = None, lora: LoRAModel | None = None,
+                 graphs: GraphSettings | None = None) -> None:
         self.model = model
         self.lora = lora  # LoRA slots' view of the model (multi-LoRA serving), or None
         self.block_size = block_size
         self.device = device
         self.pooling = pooling
         self.has_kv_cache = num_blocks > 0
+        self.graphs: DecodeGraphs | None = None
         if not self.has_kv_cache:  # an encoder
             self.kv_cache = None
             self.cache_binding = None
             return
+        # Decode graphs pad a step's rows with rows that write to one spare block past the pool's
+        # (kvik.engine.cuda_graphs); LoRA steps change per request, so they always run eagerly.
+        use_graphs = graphs is not None and lora is None
         # One allocation for every layer: (layers, k/v, kv_heads, blocks, block_size, head_dim), plus
         # per-token scales for int8. Zeroed so that padding slots read by the batched gather are
         # finite (masked afterwards); huge pages requested before the zeroing touches the memory.
-        self.kv_cache = PagedKVCache.empty(num_layers, num_kv_heads, num_blocks, self.block_size,
-                                           head_dim, kv_cache_dtype, device)
+        self.kv_cache = PagedKVCache.empty(num_layers, num_kv_heads, num_blocks + int(use_graphs),
+                                           self.block_size, head_dim, kv_cache_dtype, device)
         advise_huge_pages(self.kv_cache.data)
         self.kv_cache.zero_()
         self.cache_binding = bind_kv_cache(model, self.kv_cache)
+        if use_graphs:
+            self.graphs = DecodeGraphs(model, graphs, block_size=block_size, pad_slot=num_blocks * block_size,
+                                       device=device)
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -105,13 +114,12 @@ class ModelRunner:
         ordered = decodes + prefills
         input_ids, positions, slots = self._flat_inputs(decodes, prefills)
         meta = self._attention_metadata(decodes, prefills, slots)
-        if self.lora is not None:
-            self.lora.context.set(lora_segments(ordered))
-        try:
-            hidden = self.model(input_ids, positions, meta)
-        finally:
-            if self.lora is not None:
-                self.lora.context.set([])
+        hidden = None
+        if self.graphs is not None and decodes and not prefills:
+            hidden = self.graphs.run(input_ids, positions, slots, meta.decode_block_tables,
+                                     meta.decode_seq_lens)
+        if hidden is None:
+            hidden = self._forward(input_ids, positions, meta, ordered)
 
         # Rows to compute logits for: one per completed sequence, every row from the last known
         # token on of chunks with drafts, then prompt-logprob positions.
@@ -167,6 +175,16 @@ class ModelRunner:
         if pool_chunks:
             output.pooled = list(zip(pool_chunks, self._pool(hidden, pool_chunks, pool_spans)))
         return output
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 ordered: list[ScheduledChunk]) -> torch.Tensor:
+        if self.lora is not None:
+            self.lora.context.set(lora_segments(ordered))
+        try:
+            return self.model(input_ids, positions, meta)
+        finally:
+            if self.lora is not None:
+                self.lora.context.set([])
 
     def _as_decode_rows(self, chunk: ScheduledChunk) -> bool:
         """Whether a chunk's tokens run as decode rows (one row each, attending through the paged

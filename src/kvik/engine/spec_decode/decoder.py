@@ -23,6 +23,7 @@ import torch
 from kvik.core.config import EngineArgs
 from kvik.core.errors import ConfigError
 from kvik.core.tokenizer import TokenizerSpec
+from kvik.engine.cuda_graphs import GraphSettings
 from kvik.engine.model_runner import VerifySlice
 from kvik.engine.request import Request, RequestStatus
 from kvik.engine.sampler import Sampler, argmax_rows, prompt_logprobs_for
@@ -83,11 +84,13 @@ class SpecDecoder:
         self.sampler: Sampler | None = None
         self.stats = SpecDecodeStats(accepted_per_position=[0] * max_k)
 
-    def start(self, num_blocks: int, sampler: Sampler) -> None:
+    def start(self, num_blocks: int, sampler: Sampler, graphs: GraphSettings | None = None) -> None:
+        """Allocate the proposer's state; `graphs`: the target's decode-graph settings, which a draft
+        model's own runner follows."""
         self.sampler = sampler
         start = getattr(self.proposer, "start", None)
         if start is not None:
-            start(num_blocks, sampler)
+            start(num_blocks, sampler, graphs)
 
     def propose(self, running: list[Request]) -> None:
         """Drafts for the running sequences whose next step decodes one token."""

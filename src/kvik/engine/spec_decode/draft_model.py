@@ -23,6 +23,7 @@ import torch
 from kvik.core.errors import ConfigError
 from kvik.core.tokenizer import TokenizerSpec
 from kvik.engine.block_pool import BlockPool, KVBlock
+from kvik.engine.cuda_graphs import GraphSettings
 from kvik.engine.model_runner import ModelRunner
 from kvik.engine.request import Request, RequestStatus
 from kvik.engine.sampler import Sampler, argmax_rows
@@ -79,13 +80,16 @@ class DraftModelProposer:
         self.sampler: Sampler | None = None
         self.sequences: dict[str, DraftSequence] = {}
 
-    def start(self, num_blocks: int, sampler: Sampler) -> None:
-        """Allocate the draft's KV cache (the engine sized it with the target's)."""
+    def start(self, num_blocks: int, sampler: Sampler, graphs: GraphSettings | None = None) -> None:
+        """Allocate the draft's KV cache (the engine sized it with the target's). With the target's
+        decode-graph settings, the draft's decode-only steps replay graphs too (one row per sequence,
+        a few for a catch-up chunk: within the target's verification rows)."""
         cfg = self.config
         self.pool = BlockPool(num_blocks)
         self.runner = ModelRunner(self.model, num_blocks=num_blocks, block_size=self.block_size,
                                   num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
-                                  head_dim=cfg.head_dim, device=self.device, kv_cache_dtype=self.dtype)
+                                  head_dim=cfg.head_dim, device=self.device, kv_cache_dtype=self.dtype,
+                                  graphs=graphs)
         self.sampler = sampler
 
     # -- proposing --
