@@ -17,7 +17,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("out_dir", help="directory to write (created if missing)")
     parser.add_argument("--arch", choices=ARCHITECTURES, default="llama")
     parser.add_argument("--size", choices=list(SIZES), default="tiny",
-                        help="tiny: tests; small: demos; bench: the 125M benchmark reference model")
+                        help="tiny: tests; small: demos; bench: the 125M benchmark reference model; "
+                             "1b: a Llama-3.2-1B shape (1.1B parameters) for GPU benchmarks")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     parser.add_argument("--max-shard-size", default=None,

@@ -38,6 +38,9 @@ SIZES: dict[str, ModelSize] = {
     "small": ModelSize(256, 4, 8, 4, 688, 2048, 4096, 0.08),
     # The fixed reference model of the benchmarks (about 125M parameters).
     "bench": ModelSize(768, 12, 12, 4, 2048, 32000, 4096, 0.02),
+    # Llama-3.2-1B's body (hidden 2048, 16 layers, 32 heads over 8 KV heads, MLP 8192) with the
+    # bench vocabulary: 1.1B parameters, for GPU benchmarks where 125M is all launch overhead.
+    "1b": ModelSize(2048, 16, 32, 8, 8192, 32000, 4096, 0.02),
 }
 
 
