@@ -7,10 +7,16 @@ child process (one process tree), and the figures are printed as ratios:
   useful tokens per second, and kvik's achieved FLOP/s as a fraction of the matmul roofline;
 - single-stream decode: weight bytes per token times tokens per second, over the read bandwidth
   measured in reads paired with its steps;
-- memory: kvik's peak RSS while generating against weights + configured KV budget;
+- memory: kvik's peak RSS while generating against weights + configured KV budget (on CUDA its
+  peak allocated device memory instead);
 - online and prefix workloads through real HTTP servers (see `kvik.bench.online`);
 - with `llamacpp_dir`, a llama.cpp column: both engines on the same GGUF files, per precision pair
   (see `kvik.bench.llamacpp`).
+
+`device` and `dtype` (cpu/float32 by default on a machine without a GPU) put the offline systems and
+the single-stream decode on one device in one dtype: kvik and HF on the same card, the roofline
+measured on it. The online and prefix parts start their servers as they always have (`kvik serve`
+on its default device, the naive server on the CPU in float32).
 """
 
 from __future__ import annotations
@@ -25,9 +31,9 @@ from typing import Any
 
 import torch
 
-from kvik.bench.offline import random_workload
+from kvik.bench.offline import random_workload, resolve_device_dtype
 from kvik.bench.online import OnlineConfig, run_online, run_prefix, save, summary_lines
-from kvik.bench.roofline import ModelShape, Roofline, measure_roofline, stream_reader
+from kvik.bench.roofline import DTYPES, ModelShape, Roofline, measure_roofline, stream_reader
 
 
 @dataclass(slots=True)
@@ -51,6 +57,11 @@ class CompareConfig:
     llamacpp_models: dict[str, str] = field(default_factory=dict)
     llamacpp_pairs: list[dict[str, Any]] = field(default_factory=list)
     llamacpp_rounds: int = 1
+    # Where the offline systems and the decode run, and the dtype of their weights: auto as kvik's
+    # engine picks (cuda if torch sees one, bfloat16 there, else cpu and float32); run_compare
+    # replaces auto with the explicit names before any child starts.
+    device: str = "auto"
+    dtype: str = "auto"
 
 
 def run_system(config: CompareConfig, system: str, workdir: Path) -> dict[str, Any]:
@@ -61,7 +72,8 @@ def run_system(config: CompareConfig, system: str, workdir: Path) -> dict[str, A
                "--num-requests", str(config.num_requests),
                "--input-len-range", ",".join(map(str, config.input_len_range)),
                "--output-len-range", ",".join(map(str, config.output_len_range)),
-               "--seed", str(config.seed), "--engine-args", json.dumps(engine_args), "--json", str(out)]
+               "--seed", str(config.seed), "--engine-args", json.dumps(engine_args),
+               "--device", config.device, "--dtype", config.dtype, "--json", str(out)]
     print(f"\n== offline: {system}", flush=True)
     subprocess.run(command, check=True)
     return json.loads(out.read_text())
@@ -80,7 +92,7 @@ def offline_flops(config: CompareConfig, shape: ModelShape) -> float:
 
 
 def single_stream_decode(model: str, bytes_per_token: int, prompt_len: int = 64, tokens: int = 256,
-                         windows: int = 8) -> dict[str, Any]:
+                         windows: int = 8, device: str = "cpu", dtype: str = "float32") -> dict[str, Any]:
     """Decode speed of one request alone, as a fraction of the read bandwidth measured alongside it.
 
     This machine's memory bandwidth changes from second to second (a shared host: the same buffer
@@ -89,13 +101,15 @@ def single_stream_decode(model: str, bytes_per_token: int, prompt_len: int = 64,
     bytes from a buffer of that size (kvik's read kernel, `roofline.stream_reader`), right after it:
     the fraction is the total read time over the total decode time, with both sides of every pair
     seeing the same machine within milliseconds. The reads also evict the caches between steps,
-    which only costs the decode."""
+    which only costs the decode. On CUDA the same pairing holds, with the read from device memory
+    and both sides timed between synchronizes."""
     from kvik import LLM, SamplingParams
 
-    llm = LLM(model, show_progress=False, kv_cache_memory=2**30)
+    llm = LLM(model, show_progress=False, kv_cache_memory=2**30, device=device, dtype=dtype)
     llm.generate([[5] * 8], SamplingParams(max_tokens=4, ignore_eos=True))
     engine = llm.engine
-    decode_times, read_times = paired_decode_steps(engine, prompt_len, tokens, bytes_per_token)
+    decode_times, read_times = paired_decode_steps(engine, prompt_len, tokens, bytes_per_token,
+                                                   device=device, dtype=dtype)
     size = tokens // windows
     window_fractions = [sum(read_times[i:i + size]) / sum(decode_times[i:i + size])
                         for i in range(0, size * windows, size)]
@@ -105,13 +119,28 @@ def single_stream_decode(model: str, bytes_per_token: int, prompt_len: int = 64,
             "window_tokens": size, "window_fractions": window_fractions}
 
 
-def paired_decode_steps(engine: Any, prompt_len: int, tokens: int, bytes_per_token: int
-                        ) -> tuple[list[float], list[float]]:
-    """Decode `tokens` steps of one greedy request on `engine` (an LLMEngine), each followed by a
-    read of `bytes_per_token` bytes; returns the seconds of every step and of every read."""
+def paired_decode_steps(engine: Any, prompt_len: int, tokens: int, bytes_per_token: int,
+                        device: str = "cpu", dtype: str = "float32") -> tuple[list[float], list[float]]:
+    """Decode `tokens` steps of one greedy request on `engine` (an LLMEngine on `device`), each
+    followed by a read of `bytes_per_token` bytes on the same device; returns the seconds of every
+    step and of every read."""
     from kvik import SamplingParams
 
-    buffer = torch.ones(bytes_per_token // 4)
+    if device.startswith("cuda"):
+        # In the weights' dtype, as the decode reads them; the reader synchronizes after the sum.
+        torch_dtype = DTYPES[dtype]
+        element = torch.empty((), dtype=torch_dtype).element_size()
+        buffer = torch.ones(bytes_per_token // element, device=device, dtype=torch_dtype)
+
+        def synchronize() -> None:
+            torch.cuda.synchronize()
+    else:
+        # float32 whatever the weights' dtype: the CPU read kernel reads any buffer as 32-bit words
+        # (it needs a multiple of 4 bytes), so the dtype changes nothing but that rounding.
+        buffer = torch.ones(bytes_per_token // 4)
+
+        def synchronize() -> None:
+            pass
     read = stream_reader(buffer)
     read()  # page it in
     engine.add_request("solo", list(range(3, 3 + prompt_len)),
@@ -119,8 +148,10 @@ def paired_decode_steps(engine: Any, prompt_len: int, tokens: int, bytes_per_tok
     engine.step()  # the prefill and the first token
     decode_times, read_times = [], []
     for _ in range(tokens):
+        synchronize()  # nothing queued from before (the read synchronized already)
         started = time.perf_counter()
         engine.step()
+        synchronize()  # the step's kernels done, in case any outlive its token's copy to the host
         decoded = time.perf_counter()
         read()
         decode_times.append(decoded - started)
@@ -130,14 +161,15 @@ def paired_decode_steps(engine: Any, prompt_len: int, tokens: int, bytes_per_tok
     return decode_times, read_times
 
 
-def run_decode(model: str, bytes_per_token: int, workdir: Path) -> dict[str, Any]:
+def run_decode(model: str, bytes_per_token: int, workdir: Path, device: str = "cpu",
+               dtype: str = "float32") -> dict[str, Any]:
     """single_stream_decode in a child process of its own, as each offline system gets. A process
     that has already allocated and freed large buffers (this one, for the roofline) decodes
     measurably slower: 84-87 % of the paired bandwidth against 93-95 % fresh, in four runs each."""
     out = workdir / "decode.json"
     print("\n== single-stream decode", flush=True)
     subprocess.run([sys.executable, "-m", "kvik.bench.compare", "--decode-child", model, str(bytes_per_token),
-                    str(out)], check=True)
+                    str(out), device, dtype], check=True)
     return json.loads(out.read_text())
 
 
@@ -146,29 +178,37 @@ def ratio_line(name: str, value: float, target: float, unit: str = "x") -> str:
     return f"  {name:<58} {value:8.2f}{unit}   target >= {target:g}{unit}: {verdict}"
 
 
+def placement(config: CompareConfig) -> str:
+    """' (cuda, bfloat16)' naming the device and dtype in the printed section titles; '' for the
+    CPU in float32, whose lines read as they always have."""
+    return "" if (config.device, config.dtype) == ("cpu", "float32") else f" ({config.device}, {config.dtype})"
+
+
 def run_compare(config: CompareConfig) -> dict[str, Any]:
+    # Explicit names before anything starts: every child gets the same device and dtype.
+    config.device, config.dtype = resolve_device_dtype(config.device, config.dtype)
     out_dir = Path(config.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    shape = ModelShape.from_model_dir(config.model)
-    print("measuring this machine's roofline ...", flush=True)
-    roofline: Roofline = measure_roofline()
-    report: dict[str, Any] = {"config": asdict(config),
+    shape = ModelShape.from_model_dir(config.model, config.dtype)
+    print(f"measuring this machine's roofline{placement(config)} ...", flush=True)
+    roofline: Roofline = measure_roofline(config.device, config.dtype)
+    report: dict[str, Any] = {"config": asdict(config), "device": config.device, "dtype": config.dtype,
                               "roofline": roofline.to_dict()}
-    lines = [f"\nroofline: matmul {roofline.matmul_flops / 1e9:.1f} GFLOP/s, read "
-             f"{roofline.read_bandwidth / 1e9:.1f} GB/s, copy {roofline.copy_bandwidth / 1e9:.1f} GB/s "
-             f"({roofline.threads} threads)"]
+    lines = ["\n" + roofline.describe()]
     summary: dict[str, float] = {}
     if config.run_offline:
         # Each system's JSON lands in the output directory as soon as it finishes.
         results = {system: run_system(config, system, out_dir) for system in config.systems}
         report["offline"] = results
         lines += offline_lines(config, shape, roofline, results, summary)
-        report["decode"] = run_decode(config.model, shape.decode_bytes_per_token(), out_dir)
+        report["decode"] = run_decode(config.model, shape.decode_bytes_per_token(), out_dir,
+                                      config.device, config.dtype)
         decode = report["decode"]["decode_tokens_per_second"]
         achieved_bw = decode * shape.decode_bytes_per_token()
         summary["decode_bandwidth_fraction"] = report["decode"]["decode_bandwidth_fraction"]
         low, high = min(report["decode"]["window_fractions"]), max(report["decode"]["window_fractions"])
-        lines.append(f"\nsingle-stream decode: {decode:.1f} tok/s = {achieved_bw / 1e9:.1f} GB/s of weights; "
+        lines.append(f"\nsingle-stream decode{placement(config)}: {decode:.1f} tok/s = "
+                     f"{achieved_bw / 1e9:.1f} GB/s of weights; "
                      f"reads paired with its steps: {report['decode']['read_bandwidth'] / 1e9:.1f} GB/s "
                      f"({report['decode']['window_tokens']}-token windows: {100 * low:.0f}-{100 * high:.0f} %)")
         lines.append(ratio_line("decode bandwidth / paired read bandwidth",
@@ -208,11 +248,14 @@ def run_compare(config: CompareConfig) -> dict[str, Any]:
 
 def offline_lines(config: CompareConfig, shape: ModelShape, roofline: Roofline,
                   results: dict[str, dict[str, Any]], summary: dict[str, float]) -> list[str]:
-    lines = ["\noffline (useful prompt+output tokens per second; output tokens alone after):"]
+    lines = [f"\noffline{placement(config)} (useful prompt+output tokens per second; output tokens alone after):"]
     for system, result in results.items():
-        lines.append(f"  {system:<16} {result['useful_tokens_per_second']:9.1f} tok/s   "
-                     f"{result['output_tokens_per_second']:7.1f} output tok/s   "
-                     f"{result['seconds']:7.1f} s   peak RSS {result['peak_rss_bytes'] / 2**30:.2f} GiB")
+        line = (f"  {system:<16} {result['useful_tokens_per_second']:9.1f} tok/s   "
+                f"{result['output_tokens_per_second']:7.1f} output tok/s   "
+                f"{result['seconds']:7.1f} s   peak RSS {result['peak_rss_bytes'] / 2**30:.2f} GiB")
+        if result.get("peak_device_bytes") is not None:
+            line += f", device {result['peak_device_bytes'] / 2**30:.2f} GiB"
+        lines.append(line)
     kvik = results.get("kvik")
     baselines = [r["useful_tokens_per_second"] for s, r in results.items() if s != "kvik"]
     if kvik and baselines:
@@ -221,19 +264,29 @@ def offline_lines(config: CompareConfig, shape: ModelShape, roofline: Roofline,
     if kvik:
         achieved = offline_flops(config, shape) / kvik["seconds"]
         summary["offline_roofline_fraction"] = achieved / roofline.matmul_flops
-        lines.append(ratio_line(f"kvik FLOP/s ({achieved / 1e9:.1f} G) / matmul roofline",
+        rate = f"{achieved / 1e12:.1f} T" if roofline.device == "cuda" else f"{achieved / 1e9:.1f} G"
+        lines.append(ratio_line(f"kvik FLOP/s ({rate}) / matmul roofline",
                                 100 * summary["offline_roofline_fraction"], 60, "%"))
         budget = kvik["extra"]["weight_bytes"] + config.kv_cache_memory
-        summary["memory_ratio"] = kvik["peak_rss_bytes"] / budget
-        lines.append(f"  peak RSS while generating / (weights + KV budget)"
-                     f"{summary['memory_ratio']:14.2f}    target <= 1.25: "
-                     f"{'meets' if summary['memory_ratio'] <= 1.25 else 'MISSES'}")
+        if kvik.get("peak_device_bytes") is not None:
+            # On a GPU the weights and the KV cache live in device memory; the host's RSS holds
+            # neither, so the device's allocator peak is the figure to hold against them.
+            summary["memory_ratio"] = kvik["peak_device_bytes"] / budget
+            name = "peak device memory while generating / (weights + KV budget)"
+            lines.append(f"  {name:<61}{summary['memory_ratio']:6.2f}    target <= 1.25: "
+                         f"{'meets' if summary['memory_ratio'] <= 1.25 else 'MISSES'}")
+        else:
+            summary["memory_ratio"] = kvik["peak_rss_bytes"] / budget
+            lines.append(f"  peak RSS while generating / (weights + KV budget)"
+                         f"{summary['memory_ratio']:14.2f}    target <= 1.25: "
+                         f"{'meets' if summary['memory_ratio'] <= 1.25 else 'MISSES'}")
     return lines
 
 
 if __name__ == "__main__":  # the child process of run_decode
-    if len(sys.argv) == 5 and sys.argv[1] == "--decode-child":
-        _, _, child_model, child_bytes, child_out = sys.argv
-        Path(child_out).write_text(json.dumps(single_stream_decode(child_model, int(child_bytes)), indent=1))
+    if len(sys.argv) == 7 and sys.argv[1] == "--decode-child":
+        _, _, child_model, child_bytes, child_out, child_device, child_dtype = sys.argv
+        Path(child_out).write_text(json.dumps(single_stream_decode(
+            child_model, int(child_bytes), device=child_device, dtype=child_dtype), indent=1))
     else:
         sys.exit("usage: kvik bench compare (this module's own entry point is internal)")

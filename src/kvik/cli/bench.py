@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: registration must not import torch
+    from kvik.bench.compare import CompareConfig
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -193,6 +197,14 @@ def _add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len-range", default="16,256", help="output tokens, LOW,HIGH")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kv-cache-memory", default="3GiB", help="kvik's KV cache budget")
+    # The choices are kvik.bench.offline's DEVICES/DTYPES (not imported: registration stays light).
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="where kvik runs; compare: also the HF baselines, the single-stream decode "
+                             "and the roofline, not the online/prefix servers (default auto: cuda when "
+                             "torch sees one, else cpu)")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                        help="dtype of the weights, the same for every system (default auto: bfloat16 "
+                             "on cuda, float32 on cpu)")
 
 
 def _register_offline(bench: argparse._SubParsersAction) -> None:
@@ -222,12 +234,15 @@ def run_offline(args: argparse.Namespace) -> int:
     offline_main(["--system", "kvik", "--model", args.model or reference_model_path(),
                   "--num-requests", str(args.num_requests), "--input-len-range", args.input_len_range,
                   "--output-len-range", args.output_len_range, "--seed", str(args.seed),
-                  "--engine-args", json.dumps(engine_args), "--json", out])
+                  "--engine-args", json.dumps(engine_args), "--device", args.device, "--dtype", args.dtype,
+                  "--json", out])
     result = json.loads(Path(out).read_text())
     print(f"kvik offline: {result['prompt_tokens']} prompt + {result['output_tokens']} output tokens in "
           f"{result['seconds']:.1f} s = {result['useful_tokens_per_second']:.1f} useful tok/s "
           f"({result['output_tokens_per_second']:.1f} output tok/s); peak RSS "
-          f"{result['peak_rss_bytes'] / 2**30:.2f} GiB")
+          f"{result['peak_rss_bytes'] / 2**30:.2f} GiB"
+          + (f", peak device memory {result['peak_device_bytes'] / 2**30:.2f} GiB"
+             if result.get("peak_device_bytes") is not None else ""))
     return 0
 
 
@@ -237,7 +252,10 @@ def _register_compare(bench: argparse._SubParsersAction) -> None:
         description="Run kvik and its baselines on the same model and prompts in one invocation: offline "
                     "(kvik, HF static batching, HF sequential), single-stream decode against memory "
                     "bandwidth, online Poisson load against the naive server, and the prefix workload "
-                    "with caching on and off. Prints ratios against the targets and writes JSON + a plot.")
+                    "with caching on and off. Prints ratios against the targets and writes JSON + a plot. "
+                    "--device/--dtype place the offline systems, the decode and the roofline (e.g. "
+                    "--device cuda --dtype bfloat16: kvik and HF on the same GPU in bf16); the online "
+                    "and prefix servers keep their own defaults.")
     _configure_compare_parser(parser)
     parser.set_defaults(func=run_compare_command)
 
@@ -272,9 +290,14 @@ def _configure_compare_parser(parser: argparse.ArgumentParser) -> None:
                                "(default 1)")
 
 
-def run_compare_command(args: argparse.Namespace) -> int:
-    from kvik.bench.compare import CompareConfig, run_compare
+def compare_config(args: argparse.Namespace) -> CompareConfig:
+    """The CompareConfig of parsed `kvik bench compare` arguments, with --device/--dtype auto
+    resolved here, once, to the explicit names every child process gets (ConfigError for cuda
+    where torch sees none)."""
+    from kvik.bench.compare import CompareConfig
+    from kvik.bench.offline import resolve_device_dtype
 
+    device, dtype = resolve_device_dtype(args.device, args.dtype)
     skip = {part.strip() for part in args.skip.split(",") if part.strip()}
     low_in, high_in = (int(x) for x in args.input_len_range.split(","))
     low_out, high_out = (int(x) for x in args.output_len_range.split(","))
@@ -285,7 +308,7 @@ def run_compare_command(args: argparse.Namespace) -> int:
         systems=tuple(s.strip() for s in args.systems.split(",") if s.strip()),
         run_offline="offline" not in skip, run_online="online" not in skip, run_prefix="prefix" not in skip,
         out_dir=args.out, kvik_rates=tuple(float(r) for r in args.kvik_rates.split(",")),
-        naive_rates=tuple(float(r) for r in args.naive_rates.split(",")))
+        naive_rates=tuple(float(r) for r in args.naive_rates.split(",")), device=device, dtype=dtype)
     if args.llamacpp_dir:
         from kvik.bench.llamacpp.harness import select_pairs
 
@@ -294,7 +317,13 @@ def run_compare_command(args: argparse.Namespace) -> int:
         config.llamacpp_models = {k: str(v) for k, v in llamacpp_models(names, config.model).items()}
         config.llamacpp_pairs = select_pairs(args.llamacpp_pairs, args.llamacpp_pairs_file)
         config.llamacpp_rounds = args.llamacpp_rounds
-    run_compare(config)
+    return config
+
+
+def run_compare_command(args: argparse.Namespace) -> int:
+    from kvik.bench.compare import run_compare
+
+    run_compare(compare_config(args))
     return 0
 
 
