@@ -30,7 +30,7 @@ if [ ! -f "$model/config.json" ]; then
 fi
 
 step "CUDA tests"
-timeout 200 $py -m pytest -q -p no:cacheprovider -m gpu --timeout 150 \
+timeout 170 $py -m pytest -q -p no:cacheprovider -m gpu --timeout 150 \
     tests/engine/test_cuda.py tests/model/test_quant_cuda.py 2>&1 | tee "$out/tests.log"
 
 if [ -n "${maker:-}" ]; then
@@ -39,11 +39,11 @@ if [ -n "${maker:-}" ]; then
 fi
 
 step "decode: graphs vs eager vs HF"
-timeout 150 $py bench/decode_graphs.py --model "$model" --dtype bfloat16 --batch-sizes 1,16,64 \
+timeout 120 $py bench/decode_graphs.py --model "$model" --dtype bfloat16 --batch-sizes 1,16,64 \
     --tokens 128 --json "$out/decode_graphs.json" 2>&1 | grep -v "Loading weights" | tee "$out/decode_graphs.log"
 
 step "kvik bench compare (offline, single-stream decode) vs HF on the same card"
-timeout 180 $py -m kvik.cli.main bench compare --model "$model" --device cuda --dtype bfloat16 \
+timeout 150 $py -m kvik.cli.main bench compare --model "$model" --device cuda --dtype bfloat16 \
     --systems kvik,hf-static --skip online,prefix --num-requests 64 --output-len-range 16,256 \
     --kv-cache-memory 16GiB --out "$out/compare" 2>&1 | grep -v "Loading weights\|it/s\]$" | tee "$out/compare.log"
 step "done"
