@@ -106,7 +106,10 @@ def single_stream_decode(model: str, bytes_per_token: int, prompt_len: int = 64,
     from kvik import LLM, SamplingParams
 
     llm = LLM(model, show_progress=False, kv_cache_memory=2**30, device=device, dtype=dtype)
-    llm.generate([[5] * 8], SamplingParams(max_tokens=4, ignore_eos=True))
+    # A warm-up as long as the measured request: on CUDA each decode shape (block-table width) is
+    # recorded as a graph on first use, ~0.1 s each on a 1.1B model, which would land in the timed
+    # steps (windows alternating 9 % and 19 % on an H200 before this warm-up).
+    llm.generate([[5] * prompt_len], SamplingParams(max_tokens=tokens, ignore_eos=True))
     engine = llm.engine
     decode_times, read_times = paired_decode_steps(engine, prompt_len, tokens, bytes_per_token,
                                                    device=device, dtype=dtype)
