@@ -64,7 +64,12 @@ class RotaryEmbedding(nn.Module):
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """q: (T, H, D), k: (T, Hkv, D), cos/sin: (T, 1, D) -> rotated q, k."""
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    return rotate(q, cos, sin), rotate(k, cos, sin)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (T, heads, D), cos/sin: (T, 1, D) -> x rotated by its token's position (HF's formula)."""
+    return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
