@@ -11,7 +11,7 @@ greedy chat replies (`--max-tokens` each) are identical to float32's, with the t
 before the first difference. int8 and int4 weights run twice where the CPU has AVX512-VNNI: on
 activations rounded to int8 (per 32 inputs; `--activations int8`, the default with --quantization
 there) and on float32 activations (`--activations float32`). Issue 12's bounds: bfloat16 +0.5 %,
-int8 +1 %, int4 +5 %; KV cache bfloat16 +0.5 %, int8 +1 %.
+int8 +1 %, int4 +5 %; KV cache bfloat16 +0.5 %, int8 +1 % (and fp8 held to int8's).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ FORMATS = [  # (name, engine arguments, whether int8 activations apply, perplexi
     ("int4 (file's Q4_1, float LM head)", {}, True, 0.05),
     ("KV cache bfloat16", {"dtype": "float32", "kv_cache_dtype": "bfloat16"}, False, 0.005),
     ("KV cache int8", {"dtype": "float32", "kv_cache_dtype": "int8"}, False, 0.01),
+    ("KV cache fp8", {"dtype": "float32", "kv_cache_dtype": "fp8"}, False, 0.01),
 ]
 PLAYS = ("tragedies/hamlet", "tragedies/othello", "comedies/as-you-like-it", "histories/henry-v")
 PROMPTS = [

@@ -53,6 +53,7 @@ def _tokens(model, prompts, params, **engine_args):
 
 @pytest.mark.parametrize("engine_args", [{"dtype": "float32"},
                                          {"dtype": "float32", "kv_cache_dtype": "int8"},
+                                         {"dtype": "float32", "kv_cache_dtype": "fp8"},
                                          {"dtype": "float32", "quantization": "int4"},
                                          {"dtype": "float32", "speculative_method": "ngram"},
                                          {"dtype": "float32", "speculative_method": "draft",

@@ -37,7 +37,7 @@ def _generate(model, prompts, params, **engine_args):
     return tokens, llm.engine.core
 
 
-@pytest.mark.parametrize("engine_args", [{}, {"kv_cache_dtype": "int8"}, {"dtype": "bfloat16"},
+@pytest.mark.parametrize("engine_args", [{}, {"kv_cache_dtype": "int8"}, {"kv_cache_dtype": "fp8"}, {"dtype": "bfloat16"},
                                          {"speculative_method": "ngram"}])
 def test_padded_decode_steps_give_the_eager_tokens(tiny_llama, padded_decodes, engine_args):
     # Different lengths: sequences finish at different steps, so the batch shrinks from 5 rows

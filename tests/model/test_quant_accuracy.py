@@ -85,6 +85,7 @@ BOUNDS = [  # engine arguments, allowed perplexity increase over float32
     ({"quantization": "int4", "quantization_group_size": 128, "quantization_zero_point": True}, 0.05),
     ({"kv_cache_dtype": "bfloat16"}, 0.005),
     ({"kv_cache_dtype": "int8"}, 0.01),
+    ({"kv_cache_dtype": "fp8"}, 0.01),
 ]
 
 
@@ -107,13 +108,15 @@ def test_perplexity_within_bounds(shakespeare, float32_perplexity, engine_args, 
 
 def test_int8_greedy_agrees_with_float32(shakespeare):
     """Continuations of 32 tokens from 24 held-out openings: most are token-exact. The rate and
-    the first divergence are printed; the bound asks for most, not all (a near-tie may flip)."""
+    the first divergence are printed; the bound asks for most, not all (a near-tie may flip): three
+    quarters, and for the fp8 KV cache (3 mantissa bits, 16/24 when measured) three fifths."""
     path, passages = shakespeare
     prompts = [p[:24] for p in passages] + [p[64:88] for p in passages]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     reference = [o.outputs[0].token_ids for o in LLM(str(path), show_progress=False).generate(prompts, params)]
     for engine_args in ({"quantization": "int8"}, {"quantization": "int8", "quantization_group_size": 0},
-                        {"kv_cache_dtype": "int8"}, {"dtype": "bfloat16"}):
+                        {"kv_cache_dtype": "int8"}, {"kv_cache_dtype": "fp8"}, {"dtype": "bfloat16"}):
+        share = 0.6 if engine_args.get("kv_cache_dtype") == "fp8" else 0.75
         got = [o.outputs[0].token_ids for o in LLM(str(path), show_progress=False, **engine_args)
                .generate(prompts, params)]
         equal = sum(a == b for a, b in zip(got, reference))
@@ -121,7 +124,7 @@ def test_int8_greedy_agrees_with_float32(shakespeare):
                      for a, b in zip(got, reference))
         print(f"\ngreedy {engine_args}: {equal}/{len(prompts)} continuations equal float32's, "
               f"{tokens}/{32 * len(prompts)} tokens before the first difference")
-        assert equal >= 0.75 * len(prompts)
+        assert equal >= share * len(prompts)
 
 
 def test_the_measurement_can_fail(shakespeare, float32_perplexity, tmp_path):

@@ -159,10 +159,10 @@ def _cache(dtype, kv_heads, num_blocks, block_size, dim, generator) -> PagedKVCa
     return cache
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("heads,kv_heads,block_size", [(12, 4, 16), (8, 1, 8)])
 def test_decode_attention_reads_narrow_caches(kernels, dtype, heads, kv_heads, block_size):
-    """The kernel on a bfloat16 or int8 cache equals SDPA on the same cache dequantized by PyTorch."""
+    """The kernel on a bfloat16, int8 or float8 cache equals SDPA on the same cache widened by PyTorch."""
     generator = torch.Generator().manual_seed(heads)
     dim, num_blocks, batch = 64, 64, 5
     cache = _cache(dtype, kv_heads, num_blocks, block_size, dim, generator)
@@ -181,13 +181,15 @@ def test_decode_attention_reads_narrow_caches(kernels, dtype, heads, kv_heads, b
     assert torch.allclose(out, expected, atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn])
 def test_compiled_cache_write_equals_pytorch_write(kernels, dtype):
     """Both paths store the same bytes, so a sequence written by one and read by the other (the
     decode stack and the module path share a cache) sees no difference."""
     generator = torch.Generator().manual_seed(1)
     rows = torch.randn(6, 2, 64, generator=generator) * 3
     rows[2, 1] = 0.0  # an all-zero head: scale 0
+    rows[4, 0, :3] = torch.tensor([500.0, -1e4, 447.9])  # past float8's 448: stored as +-448
+    rows[5, 1, :2] = torch.tensor([1e-9, -3e-3])  # below float8's smallest: zero and a subnormal
     slots = torch.tensor([0, 5, 9, 17, 30, 31])
     torch_cache = PagedKVCache.empty(1, 2, 4, 8, 64, dtype, torch.device("cpu")).layer(0).zero_()
     compiled = PagedKVCache.empty(1, 2, 4, 8, 64, dtype, torch.device("cpu")).layer(0).zero_()
@@ -195,9 +197,23 @@ def test_compiled_cache_write_equals_pytorch_write(kernels, dtype):
     scales = (None, None) if compiled.scales is None else (compiled.scales[0], compiled.scales[1])
     kernels.write_kv(rows, compiled.data[0], scales[0], slots)
     kernels.write_kv(-rows, compiled.data[1], scales[1], slots)
-    assert torch.equal(torch_cache.data, compiled.data)
+    assert torch.equal(torch_cache.data.view(torch.uint8), compiled.data.view(torch.uint8))
     if dtype == torch.int8:
         assert torch.equal(torch_cache.scales, compiled.scales)
+
+
+def test_float8_kv_round_trip():
+    """fp8 KV: within e4m3's half-step of every value (relative 1/16, absolute 2^-10 near zero), the
+    largest magnitude 448, NaN kept NaN; one byte a value, no scales."""
+    from kvik.model.layers.kv_cache import FLOAT8
+
+    cache = PagedKVCache.empty(1, 2, 4, 8, 64, FLOAT8, torch.device("cpu")).layer(0).zero_()
+    assert cache.scales is None and cache.nbytes == 2 * 2 * 4 * 8 * 64
+    rows = torch.randn(10, 4, 64) * torch.logspace(-3, 2, 10)[:, None, None]
+    back = cache.round_trip(rows)
+    assert torch.all((back - rows).abs() <= torch.maximum(rows.abs() / 16, torch.tensor(2.0**-10)))
+    edge = cache.round_trip(torch.tensor([1e6, -500.0, float("nan")]))
+    assert edge[:2].tolist() == [448.0, -448.0] and edge[2].isnan()
 
 
 def test_int8_kv_round_trip():

@@ -79,8 +79,8 @@ def test_engine_args_validate_quantization_and_kv_dtype():
         EngineArgs(model="m", quantization="int3")
     with pytest.raises(ConfigError, match="quantization_group_size: 48"):
         EngineArgs(model="m", quantization="int4", quantization_group_size=48)
-    with pytest.raises(ConfigError, match="kv_cache_dtype: 'fp8'"):
-        EngineArgs(model="m", kv_cache_dtype="fp8")
+    with pytest.raises(ConfigError, match="kv_cache_dtype: 'fp16'"):
+        EngineArgs(model="m", kv_cache_dtype="fp16")
     with pytest.raises(ConfigError, match="zero_point applies to quantization='int4' only"):
         EngineArgs(model="m", quantization="int8", quantization_zero_point=True)
     with pytest.raises(ConfigError, match="group_size applies to quantization='int4' or 'int8' only"):
@@ -120,6 +120,7 @@ CASES = [  # (engine arguments, the arch)
     ({"quantization": "int4", "quantization_group_size": 32}, "llama"),
     ({"quantization": "int4", "quantization_zero_point": True, "kv_cache_dtype": "int8"}, "qwen2"),
     ({"kv_cache_dtype": "int8"}, "llama"),
+    ({"kv_cache_dtype": "fp8"}, "mistral"),
     ({"kv_cache_dtype": "bfloat16", "quantization": "int8"}, "qwen3"),
     ({"quantization": "int8", "kv_cache_dtype": "int8"}, "gpt2"),
 ]

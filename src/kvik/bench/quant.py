@@ -40,7 +40,7 @@ WEIGHT_FORMATS: dict[str, dict[str, Any]] = {
     "checkpoint": {},
 }
 DEFAULT_FORMATS = ("float32", "bfloat16", "int8", "int4")
-KV_DTYPES = ("float32", "bfloat16", "int8")
+KV_DTYPES = ("float32", "bfloat16", "int8", "fp8")
 
 
 @dataclass(slots=True)

@@ -18,7 +18,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("int8", "int4")
 QUANTIZATION_GROUP_SIZES = (0, 32, 64, 128)  # 0: int8 only, a scale per output channel
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8", "fp8")
 ACTIVATIONS = ("auto", "float32", "int8")
 SPECULATIVE_METHODS = ("ngram", "draft")
 MAX_SPECULATIVE_TOKENS = 16
@@ -237,7 +237,9 @@ class EngineArgs:
                            help="int4: asymmetric groups with a zero point each (default: symmetric)")
         group.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                            help="KV cache storage (default: auto, the model's dtype); int8 stores a "
-                                "float16 scale per token and head and holds ~3.9x float32's tokens")
+                                "float16 scale per token and head and holds ~3.9x float32's tokens; fp8 "
+                                "(float8 e4m3, values saturated at +-448, no scales) holds 4x, with 3 "
+                                "mantissa bits against int8's 7")
         group.add_argument("--activations", default="auto", choices=ACTIVATIONS,
                            help="inputs of int8/int4 linear layers on CPUs with AVX512-VNNI: int8 (rounded "
                                 "per 32 inputs, integer dot products, as llama.cpp; faster) or float32 "

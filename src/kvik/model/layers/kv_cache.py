@@ -1,4 +1,4 @@
-"""The paged KV cache's storage: float32, bfloat16 or int8 with a scale per token and head.
+"""The paged KV cache's storage: float32, bfloat16, int8 with a scale per token and head, or fp8.
 
 Shapes, for L layers, Hkv KV heads, N blocks of bs tokens and head_dim D:
 
@@ -9,6 +9,10 @@ int8 is symmetric per token and head (scale = amax / 127, rounded to float16). A
 fixed when it is written, so a block never needs requantizing as it fills, chunked prefill and token-by-
 token decoding store the same bytes, and one outlier token (an attention sink) cannot coarsen its
 neighbours. The scales cost 2 bytes per head_dim bytes: 3.9x the tokens of float32 per byte at D=64.
+fp8 is float8 e4m3fn (vLLM's `fp8` KV cache without calibrated scales): 1 byte per value and
+nothing else, exactly 4x float32's tokens, with 3 mantissa bits (a relative error up to 1/16, where
+int8's per-token scale keeps 7 bits of the row's largest value); magnitudes past 448 are stored as
+448 (keys and values of the models served here stay far below it).
 A prompt's own keys and values pass through `round_trip` before it attends to them, so attention
 always sees what the cache returns, whether the prompt arrived whole, in chunks or after a prefix hit.
 """
@@ -24,6 +28,8 @@ from kvik.core.errors import ConfigError
 
 SCALE_DTYPE = torch.float16
 INT8_LIMIT = 127.0
+FLOAT8 = torch.float8_e4m3fn
+FLOAT8_LIMIT = 448.0  # e4m3fn's largest finite value
 
 
 def kv_storage_dtype(name: str, compute_dtype: torch.dtype) -> torch.dtype:
@@ -32,7 +38,7 @@ def kv_storage_dtype(name: str, compute_dtype: torch.dtype) -> torch.dtype:
         return compute_dtype
     if name not in KV_CACHE_DTYPES:
         raise ConfigError(f"kv_cache_dtype: {name!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}[name]
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8, "fp8": FLOAT8}[name]
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -58,7 +64,7 @@ class PagedKVCache:
         if dtype == torch.int8:
             scales = torch.empty(num_layers, 2, num_kv_heads, num_blocks, block_size, dtype=SCALE_DTYPE,
                                  device=device)
-        elif dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        elif dtype not in (torch.float32, torch.bfloat16, torch.float16, FLOAT8):
             raise ValueError(f"KV cache dtype {dtype} is not supported")
         return cls(data, scales)
 
@@ -92,7 +98,10 @@ class PagedKVCache:
             rows = rows.transpose(0, 1)  # (Hkv, T, D)
             target = self.data[index].view(heads, -1, dim)
             if self.scales is None:
-                target.index_copy_(1, slots, rows.to(self.data.dtype))
+                stored = to_storage(rows, self.data.dtype)
+                if stored.dtype == FLOAT8:  # PyTorch has no float8 index_copy_: move the bytes
+                    target, stored = target.view(torch.uint8), stored.view(torch.uint8)
+                target.index_copy_(1, slots, stored)
             else:
                 quantized, scales = quantize_kv(rows)
                 target.index_copy_(1, slots, quantized)
@@ -104,7 +113,7 @@ class PagedKVCache:
         if self.data.dtype == rows.dtype:
             return rows
         if self.scales is None:
-            return rows.to(self.data.dtype).to(rows.dtype)
+            return to_storage(rows, self.data.dtype).to(rows.dtype)
         quantized, scales = quantize_kv(rows)
         return (quantized.to(rows.dtype) * scales.to(rows.dtype).unsqueeze(-1))
 
@@ -115,11 +124,22 @@ class PagedKVCache:
         heads, dim = cache.shape[0], cache.shape[-1]
         batch = block_tables.shape[0]
         flat = block_tables.reshape(-1)
-        gathered = cache.index_select(1, flat).to(dtype)  # (Hkv, B * nb, bs, D)
+        if cache.dtype == FLOAT8:  # no float8 index_select either: gather the bytes
+            gathered = cache.view(torch.uint8).index_select(1, flat).view(FLOAT8).to(dtype)
+        else:
+            gathered = cache.index_select(1, flat).to(dtype)  # (Hkv, B * nb, bs, D)
         if self.scales is not None:
             scales = self.scales[index].index_select(1, flat).to(dtype)  # (Hkv, B * nb, bs)
             gathered = gathered * scales.unsqueeze(-1)
         return gathered.view(heads, batch, -1, dim).transpose(0, 1)
+
+
+def to_storage(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows in a scale-free storage dtype. float8 saturates at +-448 first: PyTorch's own conversion
+    saturates in some versions and gives NaN in others; the compiled write clamps the same way."""
+    if dtype == FLOAT8:
+        return rows.clamp(-FLOAT8_LIMIT, FLOAT8_LIMIT).to(FLOAT8)
+    return rows.to(dtype)
 
 
 def quantize_kv(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,7 +3,8 @@
 //
 // Shapes (contiguous):
 //   query        (B, H, D) float32  one query token per sequence
-//   key_cache    (Hkv, N, bs, D)    the layer's paged keys, float32, bfloat16 or int8; value_cache alike
+//   key_cache    (Hkv, N, bs, D)    the layer's paged keys, float32, bfloat16, int8 or float8 (e4m3fn);
+//                                   value_cache alike
 //   key_scales   (Hkv, N, bs)       float16, int8 caches only: one scale per token and head
 //   block_tables (B, max_blocks)    int64 block ids per sequence
 //   seq_lens     (B,)               int64 tokens to attend per sequence (its own included)
@@ -11,13 +12,16 @@
 // Work is split over (sequence, kv head) pairs; each pair handles its G = H / Hkv query heads, so a
 // key or value row is loaded once for the whole group (GQA). Softmax is exact: scores first, then
 // max, exponentials and the weighted sum of values. Narrow caches are widened in registers; an int8
-// row's scale multiplies its dot product (keys) or its softmax weight (values), once per row.
+// row's scale multiplies its dot product (keys) or its softmax weight (values), once per row. A
+// float8 byte is widened through a 256-entry table (exact: every e4m3fn value is a float32 value).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -41,6 +45,20 @@ inline float widen(c10::BFloat16 v) {
   std::memcpy(&value, &bits, sizeof(value));
   return value;
 }
+
+// float32 value of every float8 e4m3fn bit pattern, from c10's own conversion.
+const std::array<float, 256> kFloat8Values = [] {
+  std::array<float, 256> values{};
+  for (int bits = 0; bits < 256; ++bits)
+    values[bits] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(bits), c10::Float8_e4m3fn::from_bits()));
+  return values;
+}();
+
+inline float widen(c10::Float8_e4m3fn v) { return kFloat8Values[v.x]; }
+
+// e4m3fn's largest finite value: the cache stores a larger magnitude as this (kv_cache.py clamps
+// the same way before PyTorch's conversion, whose own overflow handling differs between versions).
+constexpr float kFloat8Max = 448.f;
 
 template <typename T>
 void decode_attention_impl(const at::Tensor& query, const at::Tensor& key_cache,
@@ -175,8 +193,12 @@ void decode_attention(const at::Tensor& query, const at::Tensor& key_cache, cons
     case at::kChar:
       return decode_attention_impl<int8_t>(query, key_cache, value_cache, ks, vs, block_tables, seq_lens,
                                            scale, out);
+    case at::ScalarType::Float8_e4m3fn:
+      return decode_attention_impl<c10::Float8_e4m3fn>(query, key_cache, value_cache, nullptr, nullptr,
+                                                       block_tables, seq_lens, scale, out);
     default:
-      TORCH_CHECK(false, "KV cache dtype must be float32, bfloat16 or int8, got ", key_cache.scalar_type());
+      TORCH_CHECK(false, "KV cache dtype must be float32, bfloat16, int8 or float8_e4m3fn, got ",
+                  key_cache.scalar_type());
   }
 }
 
@@ -224,8 +246,16 @@ void write_kv(const at::Tensor& source, at::Tensor& cache, const c10::optional<a
           scale_out[at] = stored;
           break;
         }
+        case at::ScalarType::Float8_e4m3fn: {
+          // Saturated to +-448, then c10's round-to-nearest-even conversion (PyTorch's own).
+          c10::Float8_e4m3fn* dst = cache.data_ptr<c10::Float8_e4m3fn>() + at * dim;
+          for (int64_t d = 0; d < dim; ++d)
+            dst[d] = c10::Float8_e4m3fn(std::min(kFloat8Max, std::max(-kFloat8Max, row[d])));
+          break;
+        }
         default:
-          TORCH_CHECK(false, "KV cache dtype must be float32, bfloat16 or int8, got ", cache.scalar_type());
+          TORCH_CHECK(false, "KV cache dtype must be float32, bfloat16, int8 or float8_e4m3fn, got ",
+                      cache.scalar_type());
       }
     }
   }
