@@ -181,6 +181,35 @@ def test_decode_attention_reads_narrow_caches(kernels, dtype, heads, kv_heads, b
     assert torch.allclose(out, expected, atol=1e-5)
 
 
+def test_decode_attention_widens_every_float8_pattern(kernels):
+    """Keys and values made of every finite float8 e4m3fn byte (subnormals and +-448 included),
+    read by the kernel's vector widening, equal SDPA on PyTorch's own widening; a NaN byte (0x7f)
+    in a key makes the output of that sequence's query heads on that KV head NaN, as in PyTorch."""
+    from kvik.model.layers.kv_cache import FLOAT8
+
+    generator = torch.Generator().manual_seed(3)
+    kv_heads, num_blocks, block_size, dim, heads = 2, 16, 8, 64, 4
+    cache = PagedKVCache.empty(1, kv_heads, num_blocks, block_size, dim, FLOAT8, torch.device("cpu")).layer(0)
+    finite = torch.tensor([b for b in range(256) if b not in (0x7F, 0xFF)], dtype=torch.uint8)
+    raw = finite[torch.randint(len(finite), cache.data.shape, generator=generator)]
+    raw.view(-1)[:len(finite)] = finite  # each pattern at least once
+    cache.data.view(torch.uint8).copy_(raw)
+    lengths = torch.tensor([block_size * num_blocks // 2, 5, block_size * 3])
+    tables = torch.stack([torch.randperm(num_blocks, generator=generator)[:8] for _ in range(3)])
+    query = torch.randn(3, heads, dim, generator=generator) * 1e-3  # keys reach 448: keep scores moderate
+    out = torch.empty_like(query)
+    kernels.decode_attention(query, cache.data[0], cache.data[1], tables, lengths, dim**-0.5, out)
+    keys, values = cache.gather(0, tables, torch.float32), cache.gather(1, tables, torch.float32)
+    mask = (torch.arange(tables.shape[1] * block_size)[None, :] < lengths[:, None])[:, None, None, :]
+    expected = F.scaled_dot_product_attention(query.unsqueeze(2), keys, values, attn_mask=mask,
+                                              scale=dim**-0.5, enable_gqa=True).squeeze(2)
+    assert torch.allclose(out, expected, rtol=1e-4, atol=1e-3)
+    cache.data[0].view(torch.uint8)[0, tables[1, 0], 2, 7] = 0x7F  # a key of sequence 1, within its 5
+    kernels.decode_attention(query, cache.data[0], cache.data[1], tables, lengths, dim**-0.5, out)
+    assert out[1, :2].isnan().all()  # query heads 0-1 read KV head 0
+    assert not out[1, 2:].isnan().any() and not out[0].isnan().any()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn])
 def test_compiled_cache_write_equals_pytorch_write(kernels, dtype):
     """Both paths store the same bytes, so a sequence written by one and read by the other (the

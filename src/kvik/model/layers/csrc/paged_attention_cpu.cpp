@@ -24,7 +24,13 @@
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <limits>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX2__) && defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 #include "kernels.h"
 
@@ -46,7 +52,8 @@ inline float widen(c10::BFloat16 v) {
   return value;
 }
 
-// float32 value of every float8 e4m3fn bit pattern, from c10's own conversion.
+// float32 value of every float8 e4m3fn bit pattern, from c10's own conversion (the reference for
+// widen_row, and its tail).
 const std::array<float, 256> kFloat8Values = [] {
   std::array<float, 256> values{};
   for (int bits = 0; bits < 256; ++bits)
@@ -55,6 +62,30 @@ const std::array<float, 256> kFloat8Values = [] {
 }();
 
 inline float widen(c10::Float8_e4m3fn v) { return kFloat8Values[v.x]; }
+
+// One row of float8 e4m3fn values into float32, before the row is used by every query head of its
+// group (a table lookup per value and head ran the attention at half int8's speed). Each byte's
+// sign, exponent and mantissa are moved into the float16 fields: e4m3's exponent bias is 7 against
+// float16's 15, so that float16 is the value / 256, subnormals included; the float16 instruction
+// widens it and a multiply by 256 is exact. 0x7f/0xff, e4m3fn's NaNs, would read 480 and are set
+// to NaN. Equal to kFloat8Values for every byte (tested).
+inline void widen_row(const c10::Float8_e4m3fn* src, float* dst, int64_t dim) {
+  int64_t d = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+  const __m128i sign_bit = _mm_set1_epi16(0x80), magnitude = _mm_set1_epi16(0x7f);
+  const __m256 unbias = _mm256_set1_ps(256.f);
+  const __m256 nan = _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN());
+  for (; d + 8 <= dim; d += 8) {
+    const __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + d)));
+    const __m128i mag = _mm_and_si128(x, magnitude);
+    const __m128i half = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(x, sign_bit), 8), _mm_slli_epi16(mag, 7));
+    const __m256 value = _mm256_mul_ps(_mm256_cvtph_ps(half), unbias);
+    const __m256 is_nan = _mm256_castsi256_ps(_mm256_cvtepi16_epi32(_mm_cmpeq_epi16(mag, magnitude)));
+    _mm256_storeu_ps(dst + d, _mm256_blendv_ps(value, nan, is_nan));
+  }
+#endif
+  for (; d < dim; ++d) dst[d] = kFloat8Values[src[d].x];
+}
 
 // e4m3fn's largest finite value: the cache stores a larger magnitude as this (kv_cache.py clamps
 // the same way before PyTorch's conversion, whose own overflow handling differs between versions).
@@ -79,10 +110,13 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& key_cache,
   float* o = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
   const int64_t block_bytes = block_size * dim * static_cast<int64_t>(sizeof(T));
+  // float8 rows are widened once into `row` and read from there by the group's query heads.
+  constexpr bool kWidenRows = std::is_same_v<T, c10::Float8_e4m3fn>;
 
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<float> acc(group * dim);
+    std::vector<float> row(kWidenRows ? dim : 0);
     for (int64_t pair = begin; pair < end; ++pair) {
       const int64_t b = pair / kv_heads, kvh = pair % kv_heads;
       const int64_t len = lens[b];
@@ -106,11 +140,18 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& key_cache,
           const T* k = kb + j * dim;
           const float row_scale =
               fscale * (ks_head ? static_cast<float>(ks_head[table[blk] * block_size + j]) : 1.f);
+          if constexpr (kWidenRows) widen_row(k, row.data(), dim);
           for (int64_t g = 0; g < group; ++g) {
             const float* qv = qg + g * dim;
             float dot = 0.f;
+            if constexpr (kWidenRows) {
+              const float* kf = row.data();
 #pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < dim; ++d) dot += qv[d] * widen(k[d]);
+              for (int64_t d = 0; d < dim; ++d) dot += qv[d] * kf[d];
+            } else {
+#pragma omp simd reduction(+ : dot)
+              for (int64_t d = 0; d < dim; ++d) dot += qv[d] * widen(k[d]);
+            }
             scores[g * len + first + j] = dot * row_scale;
           }
         }
@@ -141,11 +182,18 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& key_cache,
         for (int64_t j = 0; j < count; ++j) {
           const T* v = vb + j * dim;
           const float row_scale = vs_head ? static_cast<float>(vs_head[table[blk] * block_size + j]) : 1.f;
+          if constexpr (kWidenRows) widen_row(v, row.data(), dim);
           for (int64_t g = 0; g < group; ++g) {
             const float w = scores[g * len + first + j] * row_scale;
             float* a = acc.data() + g * dim;
+            if constexpr (kWidenRows) {
+              const float* vf = row.data();
 #pragma omp simd
-            for (int64_t d = 0; d < dim; ++d) a[d] += w * widen(v[d]);
+              for (int64_t d = 0; d < dim; ++d) a[d] += w * vf[d];
+            } else {
+#pragma omp simd
+              for (int64_t d = 0; d < dim; ++d) a[d] += w * widen(v[d]);
+            }
           }
         }
       }
