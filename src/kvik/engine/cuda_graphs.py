@@ -9,7 +9,7 @@ them with one call. A graph replays fixed shapes and fixed addresses, so:
 - the step's inputs (token ids, positions, cache slots, block tables, sequence lengths) are copied
   into static buffers allocated once, and the graph reads them there;
 - the number of rows is rounded up to a captured batch size (1, 2, 4, 8, 16, 24, 32, ... 512) and
-  the block-table width up to a power of two; padding rows decode token 0 at position 0, write
+  the block-table width up to a power of two (at most the blocks of max_model_len); padding rows decode token 0 at position 0, write
   their keys and values to a slot of one spare KV block that no sequence owns, and attend to one
   key, so they cost little and touch nothing of anyone's;
 - each (rows, width) pair is captured on first use, in a memory pool the graphs share (they never
@@ -19,7 +19,8 @@ Only steps whose every token is a decode row use a graph (single-token decodes, 
 verification rows, a draft model's short catch-up chunks). Prefill and mixed steps, LoRA adapters
 and CPU devices run eagerly. `--enforce-eager` turns graphs off. On the CPU the same padded path can
 run without capture (`GraphSettings(capture=False)`), which is how the padding is tested on machines
-without a GPU.
+without a GPU. Measured on an H200 (bench/decode_graphs.py, a 1.1B Llama in bfloat16): 5.4x the
+eager engine's decode speed at batch 1, 4.4x at 16, 3.2x at 64.
 """
 
 from __future__ import annotations
