@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from sampler import positive_ints  # bench/sampler.py, beside this script
 
 
 
@@ -99,17 +100,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu, for a quick check of the script")
     parser.add_argument("--kv-cache-memory", default="8GiB", help="kvik's KV cache budget")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    parser.add_argument("--batch-sizes", default="1,16,64")
+    parser.add_argument("--batch-sizes", default="1,16,64", type=positive_ints, help="comma-separated")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    if args.prompt_len < 1 or args.tokens < 2:
+        parser.error("--prompt-len must be at least 1 and --tokens at least 2 (HF's rate is tokens - 1 over "
+                     "the time past the first)")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         sys.exit("bench/decode_graphs.py: torch sees no CUDA device (--device cpu checks the script only)")
     from kvik.core.config import parse_bytes
 
     kv_memory = parse_bytes(args.kv_cache_memory)
-    batches = [int(b) for b in args.batch_sizes.split(",")]
+    batches = args.batch_sizes
     results: list[dict[str, Any]] = []
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
     print(f"{name}, {args.model}, {args.dtype}, prompts of {args.prompt_len}, "
