@@ -195,12 +195,18 @@ class KvikServe(ServerProcess):
         return int(scrape_metric(self.url, "kvik:request_success_total"))
 
     def request_log(self) -> list[dict[str, Any]]:
-        """The server's per-request log lines (`event: request`), oldest first."""
+        """The server's per-request log lines (`event: request`), oldest first. A replica killed
+        with SIGKILL can leave its last entry cut off mid-line, with whatever is written next (its
+        orphaned resource tracker's warning, the next incarnation's first entry) on the same line:
+        each entry is decoded on its own, and a cut one is skipped."""
+        decoder = json.JSONDecoder()
         lines = []
         for line in self.log_path.read_text(errors="replace").splitlines():
-            _, mark, payload = line.partition(self.REQUEST_LOG_MARK)
-            if mark:
-                lines.append(json.loads(payload))
+            for payload in line.split(self.REQUEST_LOG_MARK)[1:]:
+                try:
+                    lines.append(decoder.raw_decode(payload)[0])
+                except json.JSONDecodeError:
+                    continue
         return lines
 
     def prompts_containing(self, text: str) -> list[str]:
