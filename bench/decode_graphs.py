@@ -23,11 +23,8 @@ from typing import Any
 import torch
 from sampler import positive_ints  # bench/sampler.py, beside this script
 
+from kvik.bench.offline import synchronize
 
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def kvik_decode(model: str, device: str, dtype: str, batches: list[int], prompt_len: int, tokens: int,
@@ -50,11 +47,11 @@ def kvik_decode(model: str, device: str, dtype: str, batches: list[int], prompt_
                                    SamplingParams(temperature=0, max_tokens=tokens + 1, ignore_eos=True))
             while scheduler.waiting or any(r.num_output_tokens == 0 for r in scheduler.running):
                 engine.step()
-            sync(device)
+            synchronize(device)
             started = time.perf_counter()
             for _ in range(tokens):
                 engine.step()
-            sync(device)
+            synchronize(device)
             rates[batch] = batch * tokens / (time.perf_counter() - started)
             while engine.has_unfinished_requests():
                 engine.step()
@@ -78,12 +75,12 @@ def hf_decode(model: str, device: str, dtype: str, batches: list[int], prompt_le
         ids = torch.randint(3, vocab, (batch, prompt_len), generator=generator).to(device)
 
         def timed(new: int) -> float:
-            sync(device)
+            synchronize(device)
             started = time.perf_counter()
             with torch.inference_mode():
                 hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
                             min_new_tokens=new, do_sample=False, pad_token_id=0)
-            sync(device)
+            synchronize(device)
             return time.perf_counter() - started
 
         for _ in range(2):

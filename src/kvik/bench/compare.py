@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
-from kvik.bench.offline import random_workload, resolve_device_dtype
+from kvik.bench.offline import random_workload, resolve_device_dtype, synchronize
 from kvik.bench.online import OnlineConfig, run_online, run_prefix, save, summary_lines
-from kvik.bench.roofline import DTYPES, ModelShape, Roofline, measure_roofline, stream_reader
+from kvik.bench.roofline import DTYPES, ModelShape, Roofline, dtype_bytes, measure_roofline, stream_reader
 
 
 @dataclass(slots=True)
@@ -131,19 +131,11 @@ def paired_decode_steps(engine: Any, prompt_len: int, tokens: int, bytes_per_tok
 
     if device.startswith("cuda"):
         # In the weights' dtype, as the decode reads them; the reader synchronizes after the sum.
-        torch_dtype = DTYPES[dtype]
-        element = torch.empty((), dtype=torch_dtype).element_size()
-        buffer = torch.ones(bytes_per_token // element, device=device, dtype=torch_dtype)
-
-        def synchronize() -> None:
-            torch.cuda.synchronize()
+        buffer = torch.ones(bytes_per_token // dtype_bytes(dtype), device=device, dtype=DTYPES[dtype])
     else:
         # float32 whatever the weights' dtype: the CPU read kernel reads any buffer as 32-bit words
         # (it needs a multiple of 4 bytes), so the dtype changes nothing but that rounding.
         buffer = torch.ones(bytes_per_token // 4)
-
-        def synchronize() -> None:
-            pass
     read = stream_reader(buffer)
     read()  # page it in
     engine.add_request("solo", list(range(3, 3 + prompt_len)),
@@ -151,10 +143,10 @@ def paired_decode_steps(engine: Any, prompt_len: int, tokens: int, bytes_per_tok
     engine.step()  # the prefill and the first token
     decode_times, read_times = [], []
     for _ in range(tokens):
-        synchronize()  # nothing queued from before (the read synchronized already)
+        synchronize(device)  # nothing queued from before (the read synchronized already)
         started = time.perf_counter()
         engine.step()
-        synchronize()  # the step's kernels done, in case any outlive its token's copy to the host
+        synchronize(device)  # the step's kernels done, in case any outlive its token's copy to the host
         decoded = time.perf_counter()
         read()
         decode_times.append(decoded - started)

@@ -41,7 +41,7 @@ def resolve_device_dtype(device: str = "auto", dtype: str = "auto") -> tuple[str
     return torch_device.type, str(select_dtype(dtype, torch_device)).removeprefix("torch.")
 
 
-def _synchronize(device: str) -> None:
+def synchronize(device: str) -> None:
     """Wait for the device's queued work: CUDA calls return before the GPU is done, so a timer
     read without this would stop early. A no-op on the CPU."""
     if device.startswith("cuda"):
@@ -163,12 +163,12 @@ def run_kvik(model: str, workload: Workload, engine_args: dict[str, Any]) -> Off
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in workload.max_tokens]
     engine = llm.engine.core
     device = engine.device.type
-    _synchronize(device)
+    synchronize(device)
     _reset_device_peak(device)
     with RssSampler() as rss:
         started = time.perf_counter()
         outputs = llm.generate(workload.prompts, params, use_tqdm=True)
-        _synchronize(device)
+        synchronize(device)
         seconds = time.perf_counter() - started
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert produced == workload.output_tokens, (produced, workload.output_tokens)
@@ -198,7 +198,7 @@ def run_hf_sequential(model: str, workload: Workload, device: str = "cpu",
 
     hf = _hf_model(model, device, dtype)
     produced = 0
-    _synchronize(device)
+    synchronize(device)
     _reset_device_peak(device)
     with RssSampler() as rss, torch.inference_mode():
         started = time.perf_counter()
@@ -208,7 +208,7 @@ def run_hf_sequential(model: str, workload: Workload, device: str = "cpu",
             out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
                               min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
             produced += out.shape[1] - len(prompt)
-        _synchronize(device)
+        synchronize(device)
         seconds = time.perf_counter() - started
     return OfflineResult("hf-sequential", seconds, workload.prompt_tokens, produced, rss.peak, _load_peak(),
                          device=device, dtype=dtype, peak_device_bytes=_device_peak(device))
@@ -224,7 +224,7 @@ def run_hf_static(model: str, workload: Workload, batch_size: int = 16, device: 
     computed_outputs = 0
     batches = [range(i, min(i + batch_size, len(workload.prompts)))
                for i in range(0, len(workload.prompts), batch_size)]
-    _synchronize(device)
+    synchronize(device)
     _reset_device_peak(device)
     with RssSampler() as rss, torch.inference_mode():
         started = time.perf_counter()
@@ -242,7 +242,7 @@ def run_hf_static(model: str, workload: Workload, batch_size: int = 16, device: 
                               min_new_tokens=new, do_sample=False, pad_token_id=0)
             computed_outputs += (out.shape[1] - longest) * len(prompts)
             useful_outputs += sum(workload.max_tokens[i] for i in batch)
-        _synchronize(device)
+        synchronize(device)
         seconds = time.perf_counter() - started
     return OfflineResult("hf-static", seconds, workload.prompt_tokens, useful_outputs, rss.peak,
                          _load_peak(), {"batch_size": batch_size, "computed_output_tokens": computed_outputs},
