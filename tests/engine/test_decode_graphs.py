@@ -109,5 +109,7 @@ def test_graphs_only_on_cuda_and_not_when_eager():
     assert decode_graph_settings(cuda, enforce_eager=True, max_model_len=64, max_rows=8) is None
     assert decode_graph_settings(cuda, enforce_eager=False, max_model_len=64, max_rows=8000) == \
         GraphSettings(max_rows=512, max_model_len=64)
+    with pytest.raises(ValueError, match="max_rows"):
+        GraphSettings(max_rows=513, max_model_len=64)
     with pytest.raises(ConfigError, match="enforce_eager"):
         EngineArgs(model="m", enforce_eager="yes")

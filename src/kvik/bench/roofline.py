@@ -11,7 +11,7 @@ from typing import Any, Callable
 import torch
 
 # The dtypes `kvik bench compare --dtype` takes, by name: what the models' weights are stored in.
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from kvik.engine.device import TORCH_DTYPES as DTYPES
 
 
 def dtype_bytes(dtype: str) -> int:

@@ -47,6 +47,10 @@ class GraphSettings:
     max_model_len: int  # longest sequence: the block tables' widest bucket
     capture: bool = True  # False: run the padded static buffers eagerly (tests without a GPU)
 
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_rows <= GRAPH_BATCH_SIZES[-1]:
+            raise ValueError(f"max_rows must be 1 to {GRAPH_BATCH_SIZES[-1]}, not {self.max_rows}")
+
 
 def decode_graph_settings(device: torch.device, *, enforce_eager: bool, max_model_len: int,
                           max_rows: int) -> GraphSettings | None:
@@ -65,7 +69,7 @@ class DecodeGraphs:
         self.capture = settings.capture
         self.pad_slot = pad_slot
         self.batch_sizes = [n for n in GRAPH_BATCH_SIZES if n < settings.max_rows]
-        self.batch_sizes.append(min(settings.max_rows, GRAPH_BATCH_SIZES[-1]))
+        self.batch_sizes.append(settings.max_rows)
         max_blocks = -(-settings.max_model_len // block_size)
         widths, width = [], 1
         while width < max_blocks:

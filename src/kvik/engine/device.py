@@ -20,6 +20,10 @@ def select_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+# The model dtypes by the names --dtype takes (kvik.core.config.DTYPES, less "auto").
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 def select_dtype(name: str, device: torch.device) -> torch.dtype:
     """auto: bfloat16 on GPUs that support it (float16 on older ones), float32 on the CPU, where
     half-precision matmuls are slower and less accurate."""
@@ -27,7 +31,7 @@ def select_dtype(name: str, device: torch.device) -> torch.dtype:
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    return TORCH_DTYPES[name]
 
 
 def free_memory_bytes(device: torch.device) -> int:
