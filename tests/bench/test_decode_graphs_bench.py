@@ -4,22 +4,17 @@ there): a row per batch size with kvik and HF rates, the JSON beside it, and bad
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "bench" / "decode_graphs.py"
+from tests.bench.scripts import run_bench_script
 
 
 def test_decode_graphs_bench_runs_on_the_cpu(tiny_llama, tmp_path):
     out = tmp_path / "decode.json"
-    result = subprocess.run([sys.executable, str(SCRIPT), "--model", str(tiny_llama), "--device", "cpu",
-                             "--dtype", "float32", "--batch-sizes", "1,3", "--tokens", "4", "--prompt-len", "6",
-                             "--kv-cache-memory", "32MiB", "--json", str(out)],
-                            capture_output=True, text=True, timeout=300)
+    result = run_bench_script("decode_graphs.py", "--model", str(tiny_llama), "--device", "cpu",
+                              "--dtype", "float32", "--batch-sizes", "1,3", "--tokens", "4", "--prompt-len", "6",
+                              "--kv-cache-memory", "32MiB", "--json", str(out), timeout=300)
     assert result.returncode == 0, result.stderr
     rows = [line.split() for line in result.stdout.splitlines() if line.split()[:1] in (["1"], ["3"])]
     assert [row[0] for row in rows] == ["1", "3"]
@@ -32,6 +27,5 @@ def test_decode_graphs_bench_runs_on_the_cpu(tiny_llama, tmp_path):
                                          (["--batch-sizes", "0"], "--batch-sizes"),
                                          (["--tokens", "1"], "--tokens")])
 def test_decode_graphs_bench_refuses_bad_flags(tiny_llama, flags, named):
-    result = subprocess.run([sys.executable, str(SCRIPT), "--model", str(tiny_llama), "--device", "cpu", *flags],
-                            capture_output=True, text=True, timeout=120)
+    result = run_bench_script("decode_graphs.py", "--model", str(tiny_llama), "--device", "cpu", *flags)
     assert result.returncode == 2 and named in result.stderr and "Traceback" not in result.stderr

@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench.scripts import run_bench_script
 
 
 def test_sampler_bench_prints_a_line_per_setting():
-    result = subprocess.run([sys.executable, str(ROOT / "bench" / "sampler.py"), "--vocab", "300",
-                             "--rows", "1,3", "--repeats", "1"], capture_output=True, text=True, timeout=300)
+    result = run_bench_script("sampler.py", "--vocab", "300", "--rows", "1,3", "--repeats", "1", timeout=300)
     assert result.returncode == 0, result.stderr
     lines = [line.split() for line in result.stdout.splitlines() if line.strip().startswith("300")]
     assert len(lines) == 2 * 2 * 5  # rows x logit shapes x settings
@@ -24,6 +19,5 @@ def test_sampler_bench_prints_a_line_per_setting():
 @pytest.mark.parametrize("flags,named", [(["--repeats", "0"], "--repeats"), (["--vocab", "big"], "--vocab"),
                                          (["--rows", "0,16"], "--rows"), (["--vocab", ""], "--vocab")])
 def test_sampler_bench_refuses_bad_flags(flags, named):
-    result = subprocess.run([sys.executable, str(ROOT / "bench" / "sampler.py"), *flags],
-                            capture_output=True, text=True, timeout=120)
+    result = run_bench_script("sampler.py", *flags)
     assert result.returncode == 2 and named in result.stderr and "Traceback" not in result.stderr

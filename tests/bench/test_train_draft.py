@@ -5,19 +5,15 @@ target, and the engine speculates with the result (greedy output unchanged)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "bench" / "train_draft.py"
+from tests.bench.scripts import run_bench_script
 
 
 def test_train_draft_makes_a_draft_the_engine_speculates_with(tiny_llama, tmp_path):
     work = tmp_path / "work"
-    result = subprocess.run([sys.executable, str(SCRIPT), "--model", str(tiny_llama), "--layers", "1",
-                             "--prompts", "6", "--max-tokens", "12", "--copies", "12", "--steps", "2",
-                             "--work", str(work)], capture_output=True, text=True, timeout=600)
+    result = run_bench_script("train_draft.py", "--model", str(tiny_llama), "--layers", "1", "--prompts", "6",
+                              "--max-tokens", "12", "--copies", "12", "--steps", "2", "--work", str(work),
+                              timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     draft = work / "draft"
     config = json.loads((draft / "config.json").read_text())
@@ -41,8 +37,7 @@ def test_train_draft_makes_a_draft_the_engine_speculates_with(tiny_llama, tmp_pa
 
 
 def test_train_draft_refuses_bad_flags(tiny_llama, tmp_path):
-    result = subprocess.run([sys.executable, str(SCRIPT), "--model", str(tiny_llama), "--layers", "2",
-                             "--work", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    result = run_bench_script("train_draft.py", "--model", str(tiny_llama), "--layers", "2", "--work", str(tmp_path))
     assert result.returncode != 0 and "--layers must be 1 to 1" in result.stderr + result.stdout
-    result = subprocess.run([sys.executable, str(SCRIPT), "--steps", "0"], capture_output=True, text=True, timeout=60)
+    result = run_bench_script("train_draft.py", "--steps", "0", timeout=60)
     assert result.returncode == 2 and "--steps" in result.stderr and "Traceback" not in result.stderr
