@@ -25,11 +25,22 @@ KVIK = [sys.executable, "-m", "kvik.cli.main"]
 LOG_TAIL_CHARS = 6000  # of a process's log in a failure message
 
 
+_HANDED_OUT: set[int] = set()  # every port free_port has returned in this test process
+
+
 def free_port() -> int:
-    """A port no one listens on right now (the OS picks it)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port no one listens on right now (the OS picks it) and that this process has not handed out
+    before. Callers often pick two ports before starting the process that binds both (`--port` and
+    `--grpc-port`); the OS may give the second call the port it just gave the first, since nothing
+    listens on it yet, and then the server fails to bind its second listener."""
+    for _ in range(1000):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+    raise RuntimeError("no free port that this test process has not handed out already")
 
 
 def wait_for(condition: Callable[[], bool], timeout: float = 15.0, interval: float = 0.1) -> None:
