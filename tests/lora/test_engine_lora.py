@@ -109,9 +109,9 @@ def test_random_peft_adapters_with_rslora_and_base_only_steps(lora_base, tmp_pat
         def __init__(self, stack):
             self.stack = stack
 
-        def forward(self, *args):
+        def forward_tokens(self, *args):
             calls.append(1)
-            return self.stack.forward(*args)
+            return self.stack.forward_tokens(*args)
 
     body.decode_stack = CountingStack(body.decode_stack)
     llm.generate(prompts[:2], GREEDY, lora="rs")  # adapter steps: the modules' path

@@ -77,6 +77,28 @@ def test_weight_only_linear_matches_torch(kernels, code_path, kind, group, zero_
         assert layer(x).shape == (2, 3, out_features)
 
 
+@pytest.mark.parametrize("kind,group,zero_point", FORMATS)
+def test_two_threads_compute_what_one_does(kernels, code_path, kind, group, zero_point):
+    """The suite runs on one thread (OMP_NUM_THREADS=1, tests/conftest.py); serving splits each
+    kernel's blocks over every core. Each block of outputs is one thread's work whatever the split,
+    so two threads must give what one does: state a task reads from the wrong thread (a
+    thread_local named inside a parallel task, say) would show here and nowhere else."""
+    torch.manual_seed(0)
+    layer = WeightOnlyLinear.from_linear(torch.nn.Linear(768, 1280), kind, group, zero_point)
+    layer.enable_kernels(kernels)
+    threads = torch.get_num_threads()
+    with torch.inference_mode():
+        inputs = [torch.randn(rows, 768) for rows in (1, 4, 17, 64)]
+        single = [layer(x) for x in inputs]
+        torch.set_num_threads(2)
+        try:
+            double = [layer(x) for x in inputs]
+        finally:
+            torch.set_num_threads(threads)
+    for x, one, two in zip(inputs, single, double):
+        assert torch.allclose(one, two, rtol=1e-5, atol=1e-5), x.shape[0]
+
+
 @pytest.mark.parametrize("kind,group,zero_point", FORMATS[1:])
 def test_int8_activations_are_per_row_and_bounded(kernels, kind, group, zero_point):
     """On the VNNI path each row's result depends on that row alone (any batch, bit for bit), rows

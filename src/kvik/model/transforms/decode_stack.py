@@ -49,11 +49,12 @@ class DecodeStackModel(nn.Module):
         if not meta.num_decodes == input_ids.shape[0] <= self.decode_stack_rows or (lora is not None and lora.active):
             return self.inner(input_ids, positions, meta)
         inner = self.inner
-        x = inner.embed_tokens(input_ids)
-        cos, sin = inner.rotary[0].tables(positions)
-        x, residual = self.decode_stack.forward(x, cos, sin, meta.slot_mapping, meta.decode_block_tables,
-                                                meta.decode_seq_lens)
-        return inner.norm.forward_residual(x, residual)[0]
+        rotary, norm = inner.rotary[0], inner.norm
+        # The embedding lookup, the rotary tables' rows and the final norm run in the same call as
+        # the layers (what LlamaModel.forward does around them).
+        return self.decode_stack.forward_tokens(input_ids, positions, inner.embed_tokens.weight, rotary.cos,
+                                                rotary.sin, norm.weight, norm.eps, meta.slot_mapping,
+                                                meta.decode_block_tables, meta.decode_seq_lens)
 
 
 def unwrap_decode_stack(model: nn.Module) -> None:

@@ -100,6 +100,24 @@ class DecodeStack {
     return {x, residual};
   }
 
+  // The whole decode body from token ids: the embedding rows and the rotary tables' rows looked up
+  // here, the final norm applied; returns the normalised hidden states (T, hidden). The same
+  // operations LlamaModel runs around the layers (embedding lookup, cos[positions], the final
+  // fused add + norm), without a Python call for each (embedding: (vocab, hidden) float32; cos, sin:
+  // (max_positions, head_dim)).
+  torch::Tensor forward_tokens(const torch::Tensor& input_ids, const torch::Tensor& positions,
+                               const torch::Tensor& embedding, const torch::Tensor& cos_table,
+                               const torch::Tensor& sin_table, const torch::Tensor& final_norm, double final_eps,
+                               const torch::Tensor& slots, const torch::Tensor& block_tables,
+                               const torch::Tensor& seq_lens) const {
+    TORCH_CHECK(embedding.scalar_type() == torch::kFloat, "the embedding must be float32");
+    torch::Tensor x = embedding.index_select(0, input_ids);
+    auto [hidden, residual] = forward(x, cos_table.index_select(0, positions), sin_table.index_select(0, positions),
+                                      slots, block_tables, seq_lens);
+    kvik::fused_add_rms_norm(hidden, residual, final_norm, final_eps);
+    return hidden;
+  }
+
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
  private:
@@ -192,5 +210,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("kv_cache"),
            py::arg("kv_scales") = py::none())
       .def("forward", &DecodeStack::forward)
+      .def("forward_tokens", &DecodeStack::forward_tokens, py::arg("input_ids"), py::arg("positions"),
+           py::arg("embedding"), py::arg("cos"), py::arg("sin"), py::arg("final_norm"), py::arg("final_eps"),
+           py::arg("slots"), py::arg("block_tables"), py::arg("seq_lens"))
       .def_property_readonly("num_layers", &DecodeStack::num_layers);
 }

@@ -1028,7 +1028,12 @@ at::Tensor weight_only_linear(const at::Tensor& x, const LinearWeight& weight) {
   };
 #if KVIK_INT8_DOT
   if (int8_dot(view)) {
-    QuantizedRows quantized;
+    // Reused across calls on this thread: a decode step makes four of these calls per layer, and
+    // three fresh vectors each were a measurable part of a one-row call's fixed cost. Used through
+    // a reference: a lambda naming a thread_local reads the running thread's own copy, and the
+    // parallel tasks below must read this (the calling) thread's.
+    thread_local QuantizedRows rows_buffer;
+    QuantizedRows& quantized = rows_buffer;
     quantize_rows(xp, rows, in_features, weight.format == kInt8, weight.format == kInt4 ? weight.group : 0,
                   quantized);
     // More than one pass of rows: unpack each block once (unpack_int4_block, unpack_int8_block).
