@@ -185,9 +185,10 @@ class ModelRunner:
         """The common step, in fewer operations: every chunk one token of a sequence that then
         samples its next token (no drafts, pooling, prompt logprobs or adapters). Its inputs are
         one tensor made in one call and viewed in parts, and every row is sampled in order, so no
-        row gather. At one sequence the general path's two dozen small tensor operations were a
-        tenth of the Python in a step. Returns None for any other step."""
-        if self.lora is not None or not self.has_kv_cache:
+        row gather. The general path's two dozen small tensor operations took about 30 us of a
+        180 us single-sequence step on the tiny test model, and more in a real step, whose weights
+        have just streamed through the caches. Returns None for any other step."""
+        if self.lora is not None or not self.has_kv_cache or not chunks:
             return None
         size = self.block_size
         ids: list[int] = []
