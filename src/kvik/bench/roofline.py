@@ -12,6 +12,7 @@ import torch
 
 # The dtypes `kvik bench compare --dtype` takes, by name: what the models' weights are stored in.
 from kvik.engine.device import TORCH_DTYPES as DTYPES
+from kvik.model.huge_pages import huge_page_empty
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -129,9 +130,10 @@ def _measure_cpu_roofline(repeats: int, gemm_size: int, stream_bytes: int) -> Ro
     except ImportError:
         pass
     flops = 2 * gemm_size**3 / gemm
-    big = torch.ones(stream_bytes // 4)
+    # On huge pages where the system has them, as the engine's weights and KV pool are.
+    big = huge_page_empty(stream_bytes // 4 * 4).view(torch.float32).fill_(1.0)
     read = _best_time(stream_reader(big), repeats)
-    target = torch.empty_like(big)
+    target = huge_page_empty(stream_bytes // 4 * 4).view(torch.float32)
     copy = _best_time(lambda: target.copy_(big), repeats)
     return Roofline(matmul_flops=flops, read_bandwidth=stream_bytes / read,
                     copy_bandwidth=2 * stream_bytes / copy, threads=torch.get_num_threads())

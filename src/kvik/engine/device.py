@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 
 import torch
 
@@ -52,24 +51,3 @@ def free_memory_bytes(device: torch.device) -> int:
 def default_kv_fraction(device: torch.device) -> float:
     # A GPU is dedicated to serving; a CPU host also runs everything else.
     return 0.9 if device.type == "cuda" else 0.25
-
-
-def advise_huge_pages(tensor: torch.Tensor) -> bool:
-    """Ask Linux to back a large CPU tensor with transparent huge pages (MADV_HUGEPAGE), before its
-    pages are first touched. The KV pool is read block by block in scattered order; with 4 KiB
-    pages every block is a TLB miss. Best effort: False where unsupported."""
-    if tensor.device.type != "cpu" or not sys.platform.startswith("linux"):
-        return False
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        huge = 2 * 2**20
-        start = (tensor.data_ptr() + huge - 1) & ~(huge - 1)
-        end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) & ~(huge - 1)
-        if end <= start:
-            return False
-        madv_hugepage = 14
-        return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), madv_hugepage) == 0
-    except (OSError, AttributeError):
-        return False

@@ -29,6 +29,7 @@ from kvik.model.quant.linear import WeightOnlyLinear
 from kvik.model.quant.quantize import quantize_model
 from kvik.model.quant.scheme import QuantScheme, cpu_has_native_bf16
 from kvik.model.transforms.cpu_modules import CpuPagedAttention, swap_cpu_modules
+from kvik.model.huge_pages import move_to_huge_pages
 from kvik.model.transforms.decode_stack import unwrap_decode_stack, wrap_decode_stack
 from kvik.model.transforms.onednn_linear import OneDNNLinear, onednn_available, pack_linears_for_onednn
 
@@ -54,6 +55,7 @@ class TransformReport:
     linear_weight_bytes: int = 0  # what one decode step streams: all linear layers' weights
     linear_weights: int = 0  # elements of those weights (in x out each); bytes per weight = the ratio
     int8_activation_linears: int = 0  # int8/int4 linears multiplying int8-rounded activations (VNNI)
+    huge_page_bytes: int = 0  # weights copied into memory advised for transparent huge pages (CPU)
     notes: list[str] = field(default_factory=list)
 
 
@@ -110,13 +112,17 @@ def optimize_for_inference(model: nn.Module, device: torch.device, dtype: torch.
     report.int8_activation_linears = sum(
         1 for m in model.modules()
         if isinstance(m, WeightOnlyLinear) and m.kernel_weight() is not None and m.kernel_weight().int8_activations())
+    if device.type == "cpu" and os.environ.get("KVIK_HUGE_PAGES", "1") != "0":
+        # Last: every pass above may have replaced weights (packing, quantization).
+        report.huge_page_bytes = move_to_huge_pages(model)
     report.weight_bytes = _model_bytes(model)
     report.linear_weight_bytes = _linear_bytes(model)
     report.linear_weights = sum(m.in_features * m.out_features for m in model.modules()
                                 if isinstance(m, (WeightOnlyLinear, OneDNNLinear, nn.Linear)))
-    logger.info("inference passes: weights %s (%.1f MiB, %.1f MiB in linear layers), kernels %s, "
-                "%d modules swapped", report.weights, report.weight_bytes / 2**20,
-                report.linear_weight_bytes / 2**20, report.kernel_isa or "off", report.swapped_modules)
+    logger.info("inference passes: weights %s (%.1f MiB, %.1f MiB in linear layers, %.1f MiB on huge pages), "
+                "kernels %s, %d modules swapped", report.weights, report.weight_bytes / 2**20,
+                report.linear_weight_bytes / 2**20, report.huge_page_bytes / 2**20, report.kernel_isa or "off",
+                report.swapped_modules)
     return report
 
 
