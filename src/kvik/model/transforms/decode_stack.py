@@ -72,6 +72,9 @@ def wrap_decode_stack(model: nn.Module) -> bool:
     body = model.model.inner if isinstance(model.model, DecodeStackModel) else model.model
     cfg = model.config
     layers = body.layers
+    embedding = body.embed_tokens  # looked up inside the stack's call: a plain float32 table only
+    if type(embedding) is not nn.Embedding or embedding.weight.dtype != torch.float32 or embedding.max_norm:
+        return False
     first = layers[0]
     if not isinstance(first.self_attn, FusedLlamaAttention) or not isinstance(first.self_attn.attn,
                                                                               CpuPagedAttention):
