@@ -23,8 +23,8 @@ from torch import nn
 
 from kvik.engine.cuda_graphs import DecodeGraphs, GraphSettings
 from kvik.engine.scheduler import ScheduledChunk
-from kvik.model.layers.attention import AttentionMetadata, PrefillSpan
 from kvik.model.huge_pages import advise_huge_pages
+from kvik.model.layers.attention import AttentionMetadata, PrefillSpan
 from kvik.model.layers.kv_cache import PagedKVCache, kv_bytes_per_token
 from kvik.model.lora import LoRAModel
 from kvik.model.pooling import PoolingConfig, PoolSpan, finish_embeddings, pool

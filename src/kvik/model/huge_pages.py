@@ -1,10 +1,10 @@
 """Transparent huge pages for what a decode step streams: the KV pool and the model's weights.
 
-A decode step reads every weight once, in long sequential runs. With 4 KiB pages each run crosses a
-page, and so a TLB miss and a stop of the hardware prefetcher, every 4 KiB; with 2 MiB pages every
-2 MiB. On the 2-core AVX-512 reference machine (Linux THP in `madvise` mode, which most
-distributions ship) kvik's streaming read of 100-400 MB went from 30-43 GB/s on 4 KiB pages to
-37-62 GB/s on 2 MiB ones. llama.cpp gets them for its mmapped GGUF file where the page cache has
+A decode step reads every weight once, in long sequential runs. With 4 KiB pages each run takes a
+TLB miss every 4 KiB; with 2 MiB pages every 2 MiB. On the 2-core AVX-512 reference machine (Linux
+THP in `madvise` mode, which most distributions ship) kvik's streaming read of 70-400 MB went from
+30-43 GB/s on 4 KiB pages to 34-72 GB/s on 2 MiB ones; the decode kernels gained less (int8 and
+int4 single-stream decode 3-14 %, bfloat16 within the noise: docs/quantization.md). llama.cpp gets them for its mmapped GGUF file where the page cache has
 large folios; PyTorch's allocator only asks for them with THP_MEM_ALLOC_ENABLE=1, and then only for
 single tensors of 2 MiB and more, which leaves out most of a small model's projections.
 
@@ -16,13 +16,10 @@ copy. Best effort throughout: without THP (other systems, `never`) nothing chang
 
 from __future__ import annotations
 
-import logging
 import sys
 
 import torch
 from torch import nn
-
-logger = logging.getLogger("kvik.model")
 
 HUGE_PAGE = 2 * 2**20
 ARENA_BYTES = 64 * 2**20  # weights are packed into arenas this big (a larger tensor gets its own)
