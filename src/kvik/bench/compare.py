@@ -137,7 +137,7 @@ def paired_decode_steps(engine: Any, prompt_len: int, tokens: int, bytes_per_tok
         # float32 whatever the weights' dtype: the CPU read kernel reads any buffer as 32-bit words
         # (it needs a multiple of 4 bytes), so the dtype changes nothing but that rounding. On huge
         # pages where the system has them, as the engine's weights are (kvik.model.huge_pages): on
-        # 4 KiB pages the read is up to a third slower, and the bound that much too easy.
+        # 4 KiB pages the read is slower (30-43 against 34-72 GB/s here), and the bound too easy.
         buffer = huge_page_empty(bytes_per_token // 4 * 4).view(torch.float32).fill_(1.0)
     read = stream_reader(buffer)
     read()  # page it in

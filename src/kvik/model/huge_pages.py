@@ -4,9 +4,10 @@ A decode step reads every weight once, in long sequential runs. With 4 KiB pages
 TLB miss every 4 KiB; with 2 MiB pages every 2 MiB. On the 2-core AVX-512 reference machine (Linux
 THP in `madvise` mode, which most distributions ship) kvik's streaming read of 70-400 MB went from
 30-43 GB/s on 4 KiB pages to 34-72 GB/s on 2 MiB ones; the decode kernels gained less (int8 and
-int4 single-stream decode 3-14 %, bfloat16 within the noise: docs/quantization.md). llama.cpp gets them for its mmapped GGUF file where the page cache has
-large folios; PyTorch's allocator only asks for them with THP_MEM_ALLOC_ENABLE=1, and then only for
-single tensors of 2 MiB and more, which leaves out most of a small model's projections.
+int4 single-stream decode 3-14 %, bfloat16 within the noise: docs/quantization.md). llama.cpp gets
+them for its mmapped GGUF file where the page cache has large folios; PyTorch's allocator only asks
+for them with THP_MEM_ALLOC_ENABLE=1, and then only for single tensors of 2 MiB and more, which
+leaves out most of a small model's projections.
 
 `advise_huge_pages` marks a tensor's memory before its pages are touched; `move_to_huge_pages`
 copies a loaded model's weights into advised arenas and points each tensor at its copy in place
@@ -67,8 +68,11 @@ def _movable(tensor: torch.Tensor) -> bool:
 
 def move_to_huge_pages(model: nn.Module) -> int:
     """Copy `model`'s parameters and buffers of MIN_TENSOR_BYTES and more into huge-page arenas, in
-    module order (the order a forward reads them). A tensor whose storage another tensor also uses
-    (tied or viewed weights) stays where it is, so it stays shared. Returns the bytes moved."""
+    module order (the order a forward reads them). A tensor whose storage another parameter or
+    buffer also uses (a view of another weight) stays where it is, so it stays shared; one Parameter
+    held by two modules (tied weights) moves once. Storage shared with a tensor outside the module
+    tree (a plain attribute) is not seen: such a tensor would keep the old copy. Returns the bytes
+    moved."""
     tensors: list[torch.Tensor] = []
     owners: dict[int, int] = {}  # storage address -> distinct tensors on it
     seen: set[int] = set()
