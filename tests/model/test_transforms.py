@@ -44,6 +44,8 @@ def test_passes_replace_modules_and_bind_the_decode_stack(model_dir_factory):
     assert report.quantized_linears == 9 and report.packed_linears == 0
     assert report.kernel_isa in ("avx2", "avx2 (bfloat16 on avx-512)", "portable") or "vnni" in report.kernel_isa
     assert report.int8_activation_linears == (9 if "vnni" in report.kernel_isa else 0)
+    # A tiny model's weights sit in cache: the prefetch distance is reported, not timed.
+    assert report.weight_prefetch.source.startswith("kept") and report.weight_prefetch.bytes_ahead >= 0
     assert report.linear_weight_bytes < sum(m.in_features * m.out_features * 4 for m in model.modules()
                                             if isinstance(m, WeightOnlyLinear)) / 4
     binding = bind_kv_cache(model, cache_for(cfg, torch.int8))
@@ -57,7 +59,7 @@ def test_passes_replace_modules_and_bind_the_decode_stack(model_dir_factory):
 def test_without_kernels_the_model_is_untouched_but_quantized(model_dir_factory):
     model, cfg = loaded(model_dir_factory("llama"))
     report = optimize_for_inference(model, CPU, torch.float32, weights=QuantScheme("int8"), kernels=None)
-    assert report.kernels is None and report.swapped_modules == 0
+    assert report.kernels is None and report.swapped_modules == 0 and report.weight_prefetch is None
     assert type(model.model.layers[0].input_layernorm) is RMSNorm
     assert type(model.model.layers[0].self_attn.attn) is PagedAttention
     assert not bind_kv_cache(model, cache_for(cfg)).decode_stack

@@ -32,6 +32,7 @@ from kvik.model.transforms.cpu_modules import CpuPagedAttention, swap_cpu_module
 from kvik.model.huge_pages import move_to_huge_pages
 from kvik.model.transforms.decode_stack import unwrap_decode_stack, wrap_decode_stack
 from kvik.model.transforms.onednn_linear import OneDNNLinear, onednn_available, pack_linears_for_onednn
+from kvik.model.transforms.prefetch import PrefetchChoice, tune_weight_prefetch
 
 logger = logging.getLogger("kvik.model")
 
@@ -56,6 +57,7 @@ class TransformReport:
     linear_weights: int = 0  # elements of those weights (in x out each); bytes per weight = the ratio
     int8_activation_linears: int = 0  # int8/int4 linears multiplying int8-rounded activations (VNNI)
     huge_page_bytes: int = 0  # weights copied into memory advised for transparent huge pages (CPU)
+    weight_prefetch: PrefetchChoice | None = None  # the weight-only kernels' prefetch distance (CPU)
     notes: list[str] = field(default_factory=list)
 
 
@@ -115,6 +117,9 @@ def optimize_for_inference(model: nn.Module, device: torch.device, dtype: torch.
     if device.type == "cpu" and os.environ.get("KVIK_HUGE_PAGES", "1") != "0":
         # Last: every pass above may have replaced weights (packing, quantization).
         report.huge_page_bytes = move_to_huge_pages(model)
+    if device.type == "cpu":
+        # After the move: the pages under the weights are part of what the distance is tuned to.
+        report.weight_prefetch = tune_weight_prefetch(model, kernels)
     report.weight_bytes = _model_bytes(model)
     report.linear_weight_bytes = _linear_bytes(model)
     report.linear_weights = sum(m.in_features * m.out_features for m in model.modules()
@@ -123,6 +128,8 @@ def optimize_for_inference(model: nn.Module, device: torch.device, dtype: torch.
                 "kernels %s, %d modules swapped", report.weights, report.weight_bytes / 2**20,
                 report.linear_weight_bytes / 2**20, report.huge_page_bytes / 2**20, report.kernel_isa or "off",
                 report.swapped_modules)
+    if report.weight_prefetch is not None:
+        logger.info("weight prefetch distance: %s", report.weight_prefetch.describe())
     return report
 
 

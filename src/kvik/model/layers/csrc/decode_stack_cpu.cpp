@@ -179,6 +179,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("simd_isa", &kvik::simd_isa, "the vector instructions the weight-only kernels use");
   m.def("set_portable_kernels", &kvik::set_portable_kernels,
         "run the weight-only kernels' plain loops even where AVX2 is available (for tests)");
+  m.def("weight_prefetch_bytes", &kvik::weight_prefetch_bytes,
+        "how far ahead (bytes) the weight-only kernels ask for the lines of a weight stream");
+  m.def("set_weight_prefetch_bytes", &kvik::set_weight_prefetch_bytes,
+        "set that distance for this process (0: no software prefetch; results do not depend on it)");
   m.def("set_int8_activations", &kvik::set_int8_activations,
         "round activations to int8 for int8/int4 weights where the CPU has AVX512-VNNI (the default)");
 

@@ -46,8 +46,14 @@ constexpr int64_t kWeightBlock = 16;
 // 4 KiB ran 48 layers of 768 x 2048 at one row 1.45x faster in bfloat16, 1.25x in int8 and 1.37x
 // in int4, and the 125M reference model's single-stream decode 1.3-1.4x (bfloat16), 1.1-1.3x
 // (int8), 1.1-1.2x (int4) and ~1.05x (float32, oneDNN-packed), alternating builds on the 2-core
-// AVX-512 machine; 8 and 16 KiB were slower than 4 again.
+// AVX-512 machine; 8 and 16 KiB were slower than 4 again. That was one machine, on 4 KiB pages:
+// on another (AMD Zen 4, weights on 2 MiB pages) 4 KiB ran the same kernels at 0.7x of 1 KiB or
+// none, so the weight-only kernels take their distance from weight_prefetch_bytes(), which kvik
+// measures per process (kvik.model.transforms.prefetch); this constant stays the packed float32
+// GEMV's distance, the streaming read's, and the weight-only kernels' until something sets theirs.
 constexpr int kWeightPrefetchBytes = 4096;
+int64_t weight_prefetch_bytes();
+void set_weight_prefetch_bytes(int64_t bytes);  // 0: no software prefetch
 
 struct LinearWeight {
   int64_t format = kPackedFloat32;

@@ -54,6 +54,10 @@ namespace {
 
 std::atomic<bool> portable_only{false};
 std::atomic<bool> int8_activations{true};
+std::atomic<int64_t> prefetch_distance{kvik::kWeightPrefetchBytes};
+
+// The prefetch distance for one kernel call, read once: the loops below add it to each address.
+inline int64_t prefetch_ahead() { return prefetch_distance.load(std::memory_order_relaxed); }
 
 constexpr int kBlock = static_cast<int>(kvik::kWeightBlock);
 constexpr int kRows = 4;  // rows of x per pass over a block of weights (accumulators in registers)
@@ -206,7 +210,6 @@ struct WidenInt4 {  // byte j: output j in the low nibble, j + 8 in the high one
 // can start per cycle, so one row needs about eight chains in flight (16 outputs = 2 per input).
 template <int M>
 constexpr int kUnroll = M == 1 ? 4 : (M == 2 ? 2 : 1);
-constexpr int kPrefetchBytes = kvik::kWeightPrefetchBytes;
 
 // U inputs at a time into U independent chains per row and half, summed at the end: acc[m] (or
 // acc[m] += with kAdd) = sum over k in [first, first + count) of W[k][0..15] * x[m][k]; count is a
@@ -219,12 +222,13 @@ __attribute__((always_inline)) inline void dot_chains(const typename Widen::Stor
   __m256 part[U * M * 2];
   for (int i = 0; i < U * M * 2; ++i) part[i] = _mm256_setzero_ps();
   constexpr int kLines = (U * Widen::kPerInput * static_cast<int>(sizeof(typename Widen::Stored)) + 63) / 64;
+  const int64_t ahead = prefetch_ahead();
   for (int64_t k = first; k < first + count; k += U) {
     // The weights are one sequential stream, but the hardware prefetcher stops at every 4 KiB page
-    // and runs behind a loop that consumes so few bytes per cycle: asking for them kPrefetchBytes
+    // and runs behind a loop that consumes so few bytes per cycle: asking for them `ahead` bytes
     // ahead keeps the stream at the memory's speed.
     for (int line = 0; line < kLines; ++line)
-      __builtin_prefetch(reinterpret_cast<const char*>(w + k * Widen::kPerInput) + kPrefetchBytes + 64 * line,
+      __builtin_prefetch(reinterpret_cast<const char*>(w + k * Widen::kPerInput) + ahead + 64 * line,
                          0, 1);
 #pragma GCC unroll 4
     for (int u = 0; u < U; ++u) {
@@ -292,12 +296,12 @@ void block_bf16_avx512(const uint16_t* w, const float* x, int64_t x_stride, int6
   constexpr int U = M == 1 ? 8 : (M == 2 ? 4 : 2);
   __m512 part[U * M];
   for (int i = 0; i < U * M; ++i) part[i] = _mm512_setzero_ps();
-  const int64_t body = in_features / U * U;
+  const int64_t body = in_features / U * U, ahead = prefetch_ahead();
   // The 16 weights of input k, widened to float32.
   const auto widen = [w](int64_t k) { return widen_bf16_avx512(w + k * kBlock); };
   for (int64_t k = 0; k < body; k += U) {
     for (int line = 0; line < U * kBlock * 2 / 64; ++line)
-      __builtin_prefetch(reinterpret_cast<const char*>(w + k * kBlock) + kPrefetchBytes + 64 * line, 0, 1);
+      __builtin_prefetch(reinterpret_cast<const char*>(w + k * kBlock) + ahead + 64 * line, 0, 1);
 #pragma GCC unroll 8
     for (int u = 0; u < U; ++u) {
       const __m512 wv = widen(k + u);
@@ -334,11 +338,12 @@ constexpr int64_t kChunkBytes = 1 << 20;
 // wide[(k * B + b) * 16].
 template <int B>
 void widen_blocks(const uint16_t* w, int64_t block_stride, int64_t in_features, float* wide) {
+  const int64_t ahead = prefetch_ahead();
   for (int64_t k = 0; k < in_features; ++k)
     for (int b = 0; b < B; ++b) {
       // The first chunk reads the weights from memory: ask for them ahead, as the one-row kernels do.
       if (k % 2 == 0)
-        __builtin_prefetch(reinterpret_cast<const char*>(w + b * block_stride + k * kBlock) + kPrefetchBytes, 0, 1);
+        __builtin_prefetch(reinterpret_cast<const char*>(w + b * block_stride + k * kBlock) + ahead, 0, 1);
       _mm512_storeu_ps(wide + (k * B + b) * kBlock, widen_bf16_avx512(w + b * block_stride + k * kBlock));
     }
 }
@@ -575,7 +580,7 @@ template <int M, bool kOffsets, bool kUnpacked = false>
 void block_int4_vnni(const uint8_t* w, const c10::Half* scales, const c10::Half* offsets, const uint8_t* codes,
                      int64_t in_features, const float* act_scales, const float* group_sums, int64_t groups,
                      int64_t group, float (*out)[kBlock]) {
-  const int64_t blocks = in_features / kActBlock, per_group = group / kActBlock;
+  const int64_t blocks = in_features / kActBlock, per_group = group / kActBlock, ahead = prefetch_ahead();
   __m512 total[M];
   for (int m = 0; m < M; ++m) total[m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
@@ -597,7 +602,7 @@ void block_int4_vnni(const uint8_t* w, const c10::Half* scales, const c10::Half*
           wb = _mm512_load_si512(operands + 1);
         } else {
           const uint8_t* wk = w + k * (kBlock / 2);
-          __builtin_prefetch(wk + kPrefetchBytes, 0, 1);
+          __builtin_prefetch(wk + ahead, 0, 1);
           unpack_int4_8(wk, wa, wb);
         }
         const int c = (step % C) * M;
@@ -655,6 +660,7 @@ void block_int8_vnni(const int8_t* w, const float* row_scales, const c10::Half* 
                      int64_t in_features, const float* act_scales, int64_t group, float (*out)[kBlock]) {
   const __m512i index = _mm512_load_si512(kLaneIndex.int8), ones = _mm512_set1_epi8(1);
   const int64_t blocks = in_features / kActBlock, per_group = kGrouped ? group / kActBlock : 1;
+  const int64_t ahead = prefetch_ahead();
   __m512 total[M];
   for (int m = 0; m < M; ++m) total[m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
@@ -669,7 +675,7 @@ void block_int8_vnni(const int8_t* w, const float* row_scales, const c10::Half* 
         wv = _mm512_load_si512(unpacked + step);
       } else {
         const int8_t* wk = w + k * kBlock;
-        __builtin_prefetch(wk + kPrefetchBytes, 0, 1);
+        __builtin_prefetch(wk + ahead, 0, 1);
         wv = _mm512_permutexvar_epi8(index, _mm512_loadu_si512(wk));
         sums = _mm512_dpbusd_epi32(sums, ones, wv);
       }
@@ -789,7 +795,7 @@ void tiled_rows_avx512(const WeightView& v, const float* x, int64_t rows, int64_
   const int64_t chunk_rows =
       std::max<int64_t>(1, kChunkBytes / (in_features * static_cast<int64_t>(sizeof(float))) / kTileRows) * kTileRows;
   // Stored bytes per input of an int8 / int4 block, for one prefetch per 64-byte line.
-  const int64_t stride = v.format == kvik::kInt4 ? kBlock / 2 : kBlock;
+  const int64_t stride = v.format == kvik::kInt4 ? kBlock / 2 : kBlock, ahead = prefetch_ahead();
   const auto widen = [&](int64_t block, int count, float* wide) {
     if (v.format == kvik::kBFloat16) {
       const auto* w = static_cast<const uint16_t*>(v.data) + block * in_features * kBlock;
@@ -800,7 +806,7 @@ void tiled_rows_avx512(const WeightView& v, const float* x, int64_t rows, int64_
     for (int64_t k = 0; k < in_features; ++k)
       for (int b = 0; b < count; ++b) {
         if (k * stride % 64 == 0)
-          __builtin_prefetch(base + ((block + b) * in_features + k) * stride + kPrefetchBytes, 0, 1);
+          __builtin_prefetch(base + ((block + b) * in_features + k) * stride + ahead, 0, 1);
         dequantize_row_avx2(v, block + b, k, wide + (k * count + b) * kBlock);
       }
   };
@@ -1149,6 +1155,15 @@ at::Tensor LinearWeight::operator()(const at::Tensor& x) const {
 void set_portable_kernels(bool portable) { portable_only.store(portable); }
 
 void set_int8_activations(bool enabled) { int8_activations.store(enabled); }
+
+int64_t weight_prefetch_bytes() { return prefetch_distance.load(); }
+
+void set_weight_prefetch_bytes(int64_t bytes) {
+  // The loops add it to addresses inside the weight and ask for lines that far on; a prefetch
+  // never faults, but past a few pages it only evicts what the loop is about to read.
+  TORCH_CHECK(bytes >= 0 && bytes <= (1 << 20), "the prefetch distance must be 0 to 1 MiB, not ", bytes);
+  prefetch_distance.store(bytes);
+}
 
 bool uses_int8_activations(const LinearWeight& weight) {
   return weight.format != kPackedFloat32 && int8_dot(WeightView(weight));
