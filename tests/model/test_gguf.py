@@ -211,7 +211,7 @@ def test_4bit_tensors_become_int4_layers_equal_to_the_reference(gguf_dir, qtype,
             continue
         # Q4_K's d * sc and dmin * m are rounded to float16 once each: |error| <= 2**-11 (|scale| v +
         # |offset|), here taken from the rounded values (hence the 2**-10 margin).
-        q = unpack_int4(module.data, module.scales, module.offsets, module.out_features, 32)
+        q = unpack_int4(module.data, module.scales, module.offsets, module.out_features, module.in_features, 32)
         bound = (q.values.float() * q.scales.float().abs().repeat_interleave(32, 1)
                  + q.offsets.float().abs().repeat_interleave(32, 1)) * 2.0**-11 * (1 + 2.0**-10)
         parent, _, leaf = name.rpartition(".")

@@ -111,15 +111,23 @@ def test_blocked_packing_round_trips(rows):
     for zero_point in (False, True):
         q4 = quantize_int4(w, 32, zero_point)
         data, scales, offsets = packing.pack_int4(q4)
-        assert data.shape == (packing.num_blocks(rows), 70, 8) and data.dtype == torch.uint8
-        back = packing.unpack_int4(data, scales, offsets, rows, 32)
+        assert data.shape == (packing.num_blocks(rows), 9, 64) and data.dtype == torch.uint8  # 70 inputs: 9 chunks
+        back = packing.unpack_int4(data, scales, offsets, rows, 70, 32)
         assert torch.equal(back.values, q4.values) and torch.equal(back.scales, q4.scales)
         assert (back.offsets is None) == (not zero_point)
 
 
-def test_int4_nibbles_hold_rows_j_and_j_plus_8():
-    values = torch.arange(16, dtype=torch.uint8)[:, None].expand(16, 4).contiguous()  # row j holds j
-    q = quantize_int4(torch.zeros(16, 4), 32)
+def test_int4_chunks_hold_each_rows_inputs_in_one_lane():
+    """Byte 4j + i of chunk c: row j's input 8c + i in the low nibble, 8c + 4 + i in the high one."""
+    rows, columns = 16, 12
+    values = ((torch.arange(rows)[:, None] + torch.arange(columns)[None, :]) % 16).to(torch.uint8)
+    q = quantize_int4(torch.zeros(rows, columns), 32)
     q.values = values
     data, _, _ = packing.pack_int4(q)
-    assert data[0, 0].tolist() == [j | ((j + 8) << 4) for j in range(8)]
+    assert data.shape == (1, 2, 64)
+    for c in range(2):
+        for j in range(rows):
+            for i in range(4):
+                low = values[j, 8 * c + i].item() if 8 * c + i < columns else 0
+                high = values[j, 8 * c + 4 + i].item() if 8 * c + 4 + i < columns else 0
+                assert data[0, c, 4 * j + i].item() == low | (high << 4), (c, j, i)

@@ -105,7 +105,8 @@ class WeightOnlyLinear(nn.Module):
         if self.kind == "int8":
             unpacked8 = packing.unpack_int8(self.data, self.scales, self.out_features, self.group_size)
             return dequantize_int8(unpacked8).to(dtype)
-        unpacked = packing.unpack_int4(self.data, self.scales, self.offsets, self.out_features, self.group_size)
+        unpacked = packing.unpack_int4(self.data, self.scales, self.offsets, self.out_features, self.in_features,
+                                       self.group_size)
         return dequantize_int4(unpacked).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -2,9 +2,12 @@
 
 Output rows are taken in blocks of BLOCK = 16 (the last block padded with zero rows); within a block
 the weights are stored input-major, (K, 16): the 16 rows' weights for input k side by side, so one
-vector load serves 16 outputs. int4 puts rows j and j + 8 of a block into the low and high nibble
-of byte j, (K, 8) bytes per block. Scales follow the rows: int8 per row (blocks * 16,) float32;
-int8 with groups and int4 (blocks, G, 16) float16, int4's offsets alike.
+vector load serves 16 outputs. int4 takes the inputs eight at a time: per block, chunks of 64 bytes
+(C = ceil(K / 8) of them, the last padded with zeros), row j's eight inputs in bytes 4j..4j+3 of
+its chunk, input 8c + i in the low nibble of byte 4j + i and input 8c + 4 + i in the high one, so
+that masking a chunk's low or high nibbles gives each row's four consecutive inputs in one 32-bit
+lane (what AVX512-VNNI's vpdpbusd multiplies). Scales follow the rows: int8 per row
+(blocks * 16,) float32; int8 with groups and int4 (blocks, G, 16) float16, int4's offsets alike.
 
 `unpack_*` invert the packing exactly: the PyTorch path (CUDA, or no compiler) dequantizes from the
 packed buffers through them, so every device holds the same bytes.
@@ -17,7 +20,7 @@ import torch
 from kvik.model.quant.reference import Int4Weight, Int8Weight
 
 BLOCK = 16
-HALF = BLOCK // 2
+INT4_CHUNK = 8  # inputs per int4 chunk of 64 bytes
 
 
 def num_blocks(out_features: int) -> int:
@@ -68,16 +71,25 @@ def unpack_int8(data: torch.Tensor, scales: torch.Tensor, out_features: int, gro
 
 
 def pack_int4(q: Int4Weight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """-> data (blocks, K, 8) uint8, scales (blocks, G, 16) float16, offsets like scales or None."""
+    """-> data (blocks, ceil(K / 8), 64) uint8, scales (blocks, G, 16) float16, offsets like scales
+    or None."""
     blocked = to_blocks(q.values)  # (blocks, K, 16)
-    data = (blocked[..., :HALF] | (blocked[..., HALF:] << 4)).contiguous()
+    blocks, columns, _ = blocked.shape
+    chunks = -(-columns // INT4_CHUNK)
+    padded = torch.cat([blocked, blocked.new_zeros(blocks, chunks * INT4_CHUNK - columns, BLOCK)], dim=1)
+    # (blocks, chunk, half, i, row) -> (blocks, chunk, row, i, half): byte (4 row + i) of a chunk
+    nibbles = padded.view(blocks, chunks, 2, 4, BLOCK).permute(0, 1, 4, 3, 2)
+    data = (nibbles[..., 0] | (nibbles[..., 1] << 4)).reshape(blocks, chunks, 4 * BLOCK).contiguous()
     scales = to_blocks(q.scales)  # (blocks, G, 16)
     offsets = None if q.offsets is None else to_blocks(q.offsets)
     return data, scales, offsets
 
 
 def unpack_int4(data: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, out_features: int,
-                group_size: int) -> Int4Weight:
-    values = torch.cat([data & 15, data >> 4], dim=-1)  # (blocks, K, 16)
+                in_features: int, group_size: int) -> Int4Weight:
+    blocks, chunks, _ = data.shape
+    lanes = data.view(blocks, chunks, BLOCK, 4)  # (blocks, chunk, row, i)
+    nibbles = torch.stack([lanes & 15, lanes >> 4], dim=2)  # (blocks, chunk, half, row, i)
+    values = nibbles.transpose(3, 4).reshape(blocks, chunks * INT4_CHUNK, BLOCK)[:, :in_features]
     return Int4Weight(from_blocks(values, out_features), from_blocks(scales, out_features),
                       None if offsets is None else from_blocks(offsets, out_features), group_size)

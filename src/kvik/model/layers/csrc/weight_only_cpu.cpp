@@ -8,9 +8,14 @@
 // Layout (kvik's own, built by kvik.model.quant.packing): blocks of 16 output rows; a block stores,
 // for each input element k, the 16 weights of its rows side by side (input-major). One load then
 // feeds 16 accumulators per row of x, with no horizontal sums, and each block is one sequential
-// stream. int4 packs output rows j and j + 8 of a block into the low and high nibble of byte j;
-// its scales (and offsets) are per group of `group` input elements and per row, float16. int8 has a
-// float32 scale per row (group 0) or, like int4, a float16 one per row and group.
+// stream. int4 takes inputs eight at a time instead: a chunk of 64 bytes holds the 16 rows' weights
+// of inputs 8c..8c+7, row j in bytes 4j..4j+3, input 8c+i in the low nibble of byte 4j+i and input
+// 8c+4+i in its high nibble (the last chunk padded with zeros). Masking the low or high nibbles of a
+// chunk then gives, in each 32-bit lane, one row's four consecutive inputs: vpdpbusd's operand as it
+// is, where the earlier layout (rows j and j + 8 in byte j, per input) needed two byte permutes per
+// 64 bytes, 30 % of the one-row kernel's speed from cache. int4 scales (and offsets) are per group
+// of `group` input elements and per row, float16. int8 has a float32 scale per row (group 0) or,
+// like int4, a float16 one per row and group.
 //
 // Instruction sets: the package ships sources, built with -march=native on the machine at first use
 // (cpu_kernels.py), so the build sees the CPU it runs on. Where that CPU has AVX2, FMA and F16C
@@ -61,6 +66,12 @@ inline int64_t prefetch_ahead() { return prefetch_distance.load(std::memory_orde
 
 constexpr int kBlock = static_cast<int>(kvik::kWeightBlock);
 constexpr int kRows = 4;  // rows of x per pass over a block of weights (accumulators in registers)
+
+// int4's chunks of 8 inputs (64 bytes, see the top): where input k's chunk starts in its block, the
+// shift of its nibble within row j's byte 4j + (k & 3), and a block's bytes.
+inline int64_t int4_chunk_offset(int64_t k) { return (k >> 3) * 64; }
+inline int int4_nibble_shift(int64_t k) { return (k & 4) ? 4 : 0; }
+inline int64_t int4_block_bytes(int64_t in_features) { return (in_features + 7) / 8 * 64; }
 
 inline float bf16_to_float(uint16_t bits) {
   const uint32_t widened = static_cast<uint32_t>(bits) << 16;
@@ -140,18 +151,16 @@ template <int M, bool kOffsets>
 void block_int4(const uint8_t* w, const c10::Half* scales, const c10::Half* offsets, const float* x,
                 int64_t x_stride, const float* x_sums, int64_t groups, int64_t in_features, int64_t group,
                 float (&out)[kRows][kBlock]) {
-  constexpr int kHalf = kBlock / 2;
   float total[M][kBlock] = {};
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t first = g * group, last = std::min(in_features, first + group);
     float acc[M][kBlock] = {};
     for (int64_t k = first; k < last; ++k) {
-      const uint8_t* wk = w + k * kHalf;
+      const uint8_t* wk = w + int4_chunk_offset(k) + (k & 3);
+      const int shift = int4_nibble_shift(k);
       float wf[kBlock];
 #pragma omp simd
-      for (int j = 0; j < kHalf; ++j) wf[j] = static_cast<float>(wk[j] & 15);
-#pragma omp simd
-      for (int j = 0; j < kHalf; ++j) wf[j + kHalf] = static_cast<float>(wk[j] >> 4);
+      for (int j = 0; j < kBlock; ++j) wf[j] = static_cast<float>((wk[4 * j] >> shift) & 15);
       for (int m = 0; m < M; ++m) {
         const float xv = x[m * x_stride + k];
 #pragma omp simd
@@ -179,7 +188,8 @@ void block_int4(const uint8_t* w, const c10::Half* scales, const c10::Half* offs
 struct WidenBF16 {
   using Stored = uint16_t;
   static constexpr int kPerInput = 16;
-  static inline void widen(const uint16_t* w, __m256& lo, __m256& hi) {
+  static inline void widen(const uint16_t* block, int64_t k, __m256& lo, __m256& hi) {
+    const uint16_t* w = block + k * kBlock;
     const __m256i low = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
     const __m256i high = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 8)));
     lo = _mm256_castsi256_ps(_mm256_slli_epi32(low, 16));
@@ -190,19 +200,24 @@ struct WidenBF16 {
 struct WidenInt8 {
   using Stored = int8_t;
   static constexpr int kPerInput = 16;
-  static inline void widen(const int8_t* w, __m256& lo, __m256& hi) {
+  static inline void widen(const int8_t* block, int64_t k, __m256& lo, __m256& hi) {
+    const int8_t* w = block + k * kBlock;
     lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
     hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 8))));
   }
 };
 
-struct WidenInt4 {  // byte j: output j in the low nibble, j + 8 in the high one
+struct WidenInt4 {  // chunks of 8 inputs: 32-bit lane j holds row j's nibbles, input k's at one shift
   using Stored = uint8_t;
-  static constexpr int kPerInput = 8;
-  static inline void widen(const uint8_t* w, __m256& lo, __m256& hi) {
-    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w)));
-    lo = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(15)));
-    hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
+  static constexpr int kPerInput = 8;  // bytes per input, on average: for the prefetch
+  static inline void widen(const uint8_t* block, int64_t k, __m256& lo, __m256& hi) {
+    const uint8_t* chunk = block + int4_chunk_offset(k);
+    const __m128i shift = _mm_cvtsi32_si128(8 * static_cast<int>(k & 3) + int4_nibble_shift(k));
+    const __m256i nibble = _mm256_set1_epi32(15);
+    lo = _mm256_cvtepi32_ps(_mm256_and_si256(
+        _mm256_srl_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk)), shift), nibble));
+    hi = _mm256_cvtepi32_ps(_mm256_and_si256(
+        _mm256_srl_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 32)), shift), nibble));
   }
 };
 
@@ -233,7 +248,7 @@ __attribute__((always_inline)) inline void dot_chains(const typename Widen::Stor
 #pragma GCC unroll 4
     for (int u = 0; u < U; ++u) {
       __m256 lo, hi;
-      Widen::widen(w + (k + u) * Widen::kPerInput, lo, hi);
+      Widen::widen(w, k + u, lo, hi);
 #pragma GCC unroll 4
       for (int m = 0; m < M; ++m) {
         const __m256 xv = _mm256_broadcast_ss(x + m * x_stride + k + u);
@@ -479,27 +494,19 @@ void block_int8_grouped_avx2(const int8_t* w, const c10::Half* scales, const flo
 // after that rounding: W's own rounding is unchanged, and each row's numbers depend only on that
 // row, not on what shares the batch.
 //
-// kvik's layout stores, per input k, the 16 rows of a block side by side; vpdpbusd wants 4
-// consecutive inputs of one output row in each 32-bit lane. One byte permute (vpermb / vpermi2b,
-// AVX512-VBMI) per 64 bytes turns the first into the second in registers, so the stored layout
-// (shared with the float kernels, the loaders and dequantize_transposed) stays as it is.
+// vpdpbusd wants 4 consecutive inputs of one output row in each 32-bit lane. int4's chunks hold
+// them so (masking a chunk's low or high nibbles gives the two operands). int8 stores, per input k,
+// the 16 rows of a block side by side; one byte permute (vpermb, AVX512-VBMI) per 64 bytes turns
+// that into lanes in registers (from cache, int8 runs as fast without it as with it, so its layout,
+// shared with the float kernels, stays).
 
 constexpr int64_t kActBlock = 32;
 
 struct LaneIndex {
-  alignas(64) uint8_t int4_a[64], int4_b[64], int8[64];
-  constexpr LaneIndex() : int4_a(), int4_b(), int8() {
+  alignas(64) uint8_t int8[64];
+  constexpr LaneIndex() : int8() {
     for (int lane = 0; lane < 16; ++lane)
-      for (int i = 0; i < 4; ++i) {
-        // int4: 64 bytes are 8 inputs x 8 bytes; byte j of an input holds row j (low nibble) and
-        // row j + 8 (high). Lane L takes row L's nibbles of inputs 0-3 (a) or 4-7 (b), from the
-        // low-nibble copy (index < 64) for rows 0-7 and from the high-nibble copy for rows 8-15.
-        const int row = lane & 7, source = lane < 8 ? 0 : 64;
-        int4_a[lane * 4 + i] = static_cast<uint8_t>(source + i * 8 + row);
-        int4_b[lane * 4 + i] = static_cast<uint8_t>(source + (4 + i) * 8 + row);
-        // int8: 64 bytes are 4 inputs x 16 rows.
-        int8[lane * 4 + i] = static_cast<uint8_t>(i * 16 + lane);
-      }
+      for (int i = 0; i < 4; ++i) int8[lane * 4 + i] = static_cast<uint8_t>(i * 16 + lane);  // 4 inputs x 16 rows
   }
 };
 constexpr LaneIndex kLaneIndex{};
@@ -554,23 +561,21 @@ void quantize_rows(const float* x, int64_t rows, int64_t in_features, bool plus1
   });
 }
 
-// One block's nibbles of inputs k..k+7 (64 bytes) as the two vpdpbusd operands: lane L of wa holds
-// row L's codes of inputs k..k+3, of wb those of k+4..k+7, one byte each.
+// One block's chunk of inputs k..k+7 (64 bytes) as the two vpdpbusd operands: lane L of wa holds
+// row L's codes of inputs k..k+3 (the low nibbles), of wb those of k+4..k+7 (the high ones).
 inline void unpack_int4_8(const uint8_t* wk, __m512i& wa, __m512i& wb) {
   const __m512i low4 = _mm512_set1_epi8(15);
   const __m512i raw = _mm512_loadu_si512(wk);
-  const __m512i low = _mm512_and_si512(raw, low4);
-  const __m512i high = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
-  wa = _mm512_permutex2var_epi8(low, _mm512_load_si512(kLaneIndex.int4_a), high);
-  wb = _mm512_permutex2var_epi8(low, _mm512_load_si512(kLaneIndex.int4_b), high);
+  wa = _mm512_and_si512(raw, low4);
+  wb = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
 }
 
 // A prompt's rows pass over each block of weights many times (four rows a pass): the nibbles are
-// unpacked once per call into this buffer (128 bytes per 8 inputs, a block of 2048 inputs is 32 KiB,
+// split once per call into this buffer (128 bytes per 8 inputs, a block of 2048 inputs is 32 KiB,
 // so it stays in L1/L2) and every pass reads the operands as they are, which leaves the inner loop
 // two vpdpbusd per row and 8 inputs, as int8's has.
 void unpack_int4_block(const uint8_t* w, int64_t in_features, __m512i* out) {
-  for (int64_t k = 0; k < in_features; k += 8) unpack_int4_8(w + k * (kBlock / 2), out[k / 4], out[k / 4 + 1]);
+  for (int64_t k = 0; k < in_features; k += 8) unpack_int4_8(w + int4_chunk_offset(k), out[k / 4], out[k / 4 + 1]);
 }
 
 // out[m][j] = sum_k W[j][k] x'[m][k] for one block of 16 rows, int4 weights: per group,
@@ -601,7 +606,7 @@ void block_int4_vnni(const uint8_t* w, const c10::Half* scales, const c10::Half*
           wa = _mm512_load_si512(operands);
           wb = _mm512_load_si512(operands + 1);
         } else {
-          const uint8_t* wk = w + k * (kBlock / 2);
+          const uint8_t* wk = w + int4_chunk_offset(k);
           __builtin_prefetch(wk + ahead, 0, 1);
           unpack_int4_8(wk, wa, wb);
         }
@@ -736,10 +741,12 @@ inline void dequantize_row(const WeightView& v, int64_t block, int64_t k, float 
                (v.scales_f32 ? v.scales_f32[block * kBlock + j]
                              : static_cast<float>(v.scales_f16[(block * v.groups + k / v.group) * kBlock + j]));
   } else {
-    const auto* w = static_cast<const uint8_t*>(v.data) + (block * v.in_features + k) * (kBlock / 2);
+    const auto* w = static_cast<const uint8_t*>(v.data) + block * int4_block_bytes(v.in_features) +
+                    int4_chunk_offset(k) + (k & 3);
+    const int shift = int4_nibble_shift(k);
     const int64_t at = (block * v.groups + k / v.group) * kBlock;
     for (int j = 0; j < kBlock; ++j) {
-      const int nibble = j < kBlock / 2 ? (w[j] & 15) : (w[j - kBlock / 2] >> 4);
+      const int nibble = (w[4 * j] >> shift) & 15;
       const float scale = static_cast<float>(v.scales_f16[at + j]);
       const float offset = v.offsets ? static_cast<float>(v.offsets[at + j]) : -8.f * scale;
       row[j] = static_cast<float>(nibble) * scale + offset;
@@ -751,9 +758,9 @@ inline void dequantize_row(const WeightView& v, int64_t block, int64_t k, float 
 inline void dequantize_row_avx2(const WeightView& v, int64_t block, int64_t k, float* row) {
   __m256 lo, hi;
   if (v.format == kvik::kBFloat16) {
-    WidenBF16::widen(static_cast<const uint16_t*>(v.data) + (block * v.in_features + k) * kBlock, lo, hi);
+    WidenBF16::widen(static_cast<const uint16_t*>(v.data) + block * v.in_features * kBlock, k, lo, hi);
   } else if (v.format == kvik::kInt8) {
-    WidenInt8::widen(static_cast<const int8_t*>(v.data) + (block * v.in_features + k) * kBlock, lo, hi);
+    WidenInt8::widen(static_cast<const int8_t*>(v.data) + block * v.in_features * kBlock, k, lo, hi);
     if (v.scales_f32) {
       lo = _mm256_mul_ps(lo, _mm256_loadu_ps(v.scales_f32 + block * kBlock));
       hi = _mm256_mul_ps(hi, _mm256_loadu_ps(v.scales_f32 + block * kBlock + 8));
@@ -763,7 +770,7 @@ inline void dequantize_row_avx2(const WeightView& v, int64_t block, int64_t k, f
       hi = _mm256_mul_ps(hi, load_halves(v.scales_f16 + at + 8));
     }
   } else {
-    WidenInt4::widen(static_cast<const uint8_t*>(v.data) + (block * v.in_features + k) * (kBlock / 2), lo, hi);
+    WidenInt4::widen(static_cast<const uint8_t*>(v.data) + block * int4_block_bytes(v.in_features), k, lo, hi);
     const int64_t at = (block * v.groups + k / v.group) * kBlock;
     const __m256 scale_lo = load_halves(v.scales_f16 + at), scale_hi = load_halves(v.scales_f16 + at + 8);
     const __m256 offset_lo =
@@ -794,8 +801,9 @@ void tiled_rows_avx512(const WeightView& v, const float* x, int64_t rows, int64_
   const int64_t blocks = (out_features + kBlock - 1) / kBlock, pairs = (blocks + 1) / 2;
   const int64_t chunk_rows =
       std::max<int64_t>(1, kChunkBytes / (in_features * static_cast<int64_t>(sizeof(float))) / kTileRows) * kTileRows;
-  // Stored bytes per input of an int8 / int4 block, for one prefetch per 64-byte line.
+  // Stored bytes per input of an int8 / int4 block (int4: on average), for one prefetch per 64-byte line.
   const int64_t stride = v.format == kvik::kInt4 ? kBlock / 2 : kBlock, ahead = prefetch_ahead();
+  const int64_t block_bytes = v.format == kvik::kInt4 ? int4_block_bytes(in_features) : in_features * kBlock;
   const auto widen = [&](int64_t block, int count, float* wide) {
     if (v.format == kvik::kBFloat16) {
       const auto* w = static_cast<const uint16_t*>(v.data) + block * in_features * kBlock;
@@ -806,7 +814,7 @@ void tiled_rows_avx512(const WeightView& v, const float* x, int64_t rows, int64_
     for (int64_t k = 0; k < in_features; ++k)
       for (int b = 0; b < count; ++b) {
         if (k * stride % 64 == 0)
-          __builtin_prefetch(base + ((block + b) * in_features + k) * stride + ahead, 0, 1);
+          __builtin_prefetch(base + (block + b) * block_bytes + k * stride + ahead, 0, 1);
         dequantize_row_avx2(v, block + b, k, wide + (k * count + b) * kBlock);
       }
   };
@@ -883,7 +891,7 @@ void run_block(const WeightView& v, int64_t block, const float* x, int64_t rows,
       block_int8<M>(w, s, x, in_features, in_features, out);
     });
   } else {
-    const auto* w = static_cast<const uint8_t*>(v.data) + block * in_features * (kBlock / 2);
+    const auto* w = static_cast<const uint8_t*>(v.data) + block * int4_block_bytes(in_features);
     const c10::Half* s = v.scales_f16 + block * groups * kBlock;
     const c10::Half* o = v.offsets ? v.offsets + block * groups * kBlock : nullptr;
     with_rows(rows, [&](auto m) {
@@ -941,7 +949,7 @@ void run_block_int8_dot(const WeightView& v, int64_t block, const QuantizedRows&
     });
     return;
   }
-  const auto* w = static_cast<const uint8_t*>(v.data) + block * in_features * (kBlock / 2);
+  const auto* w = static_cast<const uint8_t*>(v.data) + block * int4_block_bytes(in_features);
   const c10::Half* s = v.scales_f16 + block * v.groups * kBlock;
   const c10::Half* o = v.offsets ? v.offsets + block * v.groups * kBlock : nullptr;
   const float* sums = x.group_sums.data() + r * v.groups;
@@ -980,10 +988,10 @@ void check_linear_weight(const LinearWeight& weight) {
               "not a weight-only format: ", weight.format);
   const int64_t blocks = (weight.out_features + kBlock - 1) / kBlock;
   TORCH_CHECK(weight.data.defined() && weight.data.is_contiguous(), "weight data must be contiguous");
-  const int64_t per_input = weight.format == kvik::kInt4 ? kBlock / 2 : kBlock;
-  TORCH_CHECK(weight.data.numel() == blocks * weight.in_features * per_input,
-              "weight data has ", weight.data.numel(), " elements, expected ",
-              blocks * weight.in_features * per_input);
+  const int64_t block_elements =
+      weight.format == kvik::kInt4 ? int4_block_bytes(weight.in_features) : weight.in_features * kBlock;
+  TORCH_CHECK(weight.data.numel() == blocks * block_elements, "weight data has ", weight.data.numel(),
+              " elements, expected ", blocks * block_elements);
   TORCH_CHECK(weight.group >= 0, "group size must not be negative");
   if (weight.format == kvik::kInt8 && weight.group == 0) {
     TORCH_CHECK(weight.scales.scalar_type() == at::kFloat && weight.scales.numel() == blocks * kBlock,
@@ -1052,7 +1060,7 @@ at::Tensor weight_only_linear(const at::Tensor& x, const LinearWeight& weight) {
       std::unique_ptr<__m512i[]> operands(unpack ? new __m512i[operand_vectors] : nullptr);
       for (int64_t block = begin; block < end; ++block) {
         if (unpack && int4)
-          unpack_int4_block(static_cast<const uint8_t*>(view.data) + block * in_features * (kBlock / 2),
+          unpack_int4_block(static_cast<const uint8_t*>(view.data) + block * int4_block_bytes(in_features),
                             in_features, operands.get());
         else if (unpack)
           unpack_int8_block(static_cast<const int8_t*>(view.data) + block * in_features * kBlock, in_features,
