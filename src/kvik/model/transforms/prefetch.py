@@ -15,7 +15,6 @@ setting per process (the compiled kernels are shared), the last model loaded set
 
 from __future__ import annotations
 
-import logging
 import os
 import statistics
 import time
@@ -28,7 +27,10 @@ from torch import nn
 
 from kvik.model.quant.linear import WeightOnlyLinear
 
-logger = logging.getLogger("kvik.model")
+CANDIDATES = (0, 1024, 4096)  # bytes ahead; 0 leaves the stream to the hardware prefetcher
+ROUNDS = 7  # the candidates differ by 5-30 % on a machine whose bandwidth moves more than that
+TIME_BUDGET_S = 1.0  # stop after the round that passes this (a large model's pass is long)
+_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
 
 
 def last_level_cache_bytes() -> int:
@@ -36,9 +38,8 @@ def last_level_cache_bytes() -> int:
     largest = 0
     for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
         try:
-            text = (index / "size").read_text().strip().upper()
-            units = {"K": 2**10, "M": 2**20, "G": 2**30}
-            largest = max(largest, int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
+            text = (index / "size").read_text().strip().upper()  # "32768K"
+            largest = max(largest, int(text[:-1]) * _UNITS[text[-1]] if text[-1] in _UNITS else int(text))
         except (OSError, ValueError):
             continue
     return largest or 32 * 2**20
@@ -48,10 +49,6 @@ def min_tuning_bytes() -> int:
     """Weights smaller than this stay largely in the last-level cache from one pass to the next,
     and a pass that reads cache says nothing about a stream from memory."""
     return last_level_cache_bytes() * 3 // 2
-
-CANDIDATES = (0, 1024, 4096)  # bytes ahead; 0 leaves the stream to the hardware prefetcher
-ROUNDS = 7  # the candidates differ by 5-30 % on a machine whose bandwidth moves more than that
-TIME_BUDGET_S = 1.0  # stop after the round that passes this (a large model's pass is long)
 
 
 @dataclass(slots=True)
@@ -79,9 +76,8 @@ def tune_weight_prefetch(model: nn.Module, kernels: Any, *, candidates: tuple[in
     and reported."""
     if kernels is None or not hasattr(kernels, "set_weight_prefetch_bytes"):
         return None
-    weights = [m.kernel_weight() for m in model.modules()
-               if isinstance(m, WeightOnlyLinear) and m.kernel_weight() is not None]
-    if not weights:
+    layers = [m for m in model.modules() if isinstance(m, WeightOnlyLinear) and m.kernel_weight() is not None]
+    if not layers:
         return None
     configured = os.environ.get("KVIK_WEIGHT_PREFETCH", "").strip()
     if configured:
@@ -91,10 +87,11 @@ def tune_weight_prefetch(model: nn.Module, kernels: Any, *, candidates: tuple[in
             raise ValueError(f"KVIK_WEIGHT_PREFETCH={configured!r}: give a byte count from 0 to 1048576 "
                              f"({error})") from None
         return PrefetchChoice(int(configured), "KVIK_WEIGHT_PREFETCH")
-    total = sum(m.nbytes for m in model.modules() if isinstance(m, WeightOnlyLinear) and m.kernel_weight() is not None)
+    total = sum(layer.nbytes for layer in layers)
     if total < (min_tuning_bytes() if min_bytes is None else min_bytes):
         return PrefetchChoice(kernels.weight_prefetch_bytes(),
                               f"kept: {total / 2**20:.0f} MiB of weights would be timed from the cache")
+    weights = [layer.kernel_weight() for layer in layers]
     inputs = {n: torch.ones(1, n) for n in {w.in_features for w in weights}}
 
     def one_pass() -> float:
