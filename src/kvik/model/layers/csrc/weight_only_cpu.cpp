@@ -497,8 +497,8 @@ void block_int8_grouped_avx2(const int8_t* w, const c10::Half* scales, const flo
 // vpdpbusd wants 4 consecutive inputs of one output row in each 32-bit lane. int4's chunks hold
 // them so (masking a chunk's low or high nibbles gives the two operands). int8 stores, per input k,
 // the 16 rows of a block side by side; one byte permute (vpermb, AVX512-VBMI) per 64 bytes turns
-// that into lanes in registers (from cache, int8 runs as fast without it as with it, so its layout,
-// shared with the float kernels, stays).
+// that into lanes in registers (with it a one-row int8 call runs from cache at 44-47 GB/s per core,
+// as fast as one core reads memory here, so int8 keeps the layout it shares with the float kernels).
 
 constexpr int64_t kActBlock = 32;
 
