@@ -1,9 +1,11 @@
 // The roofline for a decode step: how fast this machine streams N bytes from memory, read the way the
 // decode kernels read their weights (one contiguous range per thread, 64-byte vector loads, lines
-// asked for kWeightPrefetchBytes ahead). The benchmarks time it right after each decode step of the
-// same bytes. A reduction in PyTorch (x.sum()) is no such bound: on the 2-core AVX-512 machine it read
-// 200 MB at 23 GB/s where this loop reads them at 31-35 GB/s, so "% of the read bandwidth" against it
-// flattered every kernel by a quarter.
+// asked for kWeightPrefetchBytes ahead; the weight-only kernels' own distance is measured per machine,
+// and on the Zen 4 machine this read's speed did not depend on it, from none to 8 KiB). The
+// benchmarks time it right after each decode step of the same bytes. A reduction in PyTorch
+// (x.sum()) is no such bound: on the 2-core AVX-512 machine it read 200 MB at 23 GB/s where this
+// loop reads them at 31-35 GB/s, so "% of the read bandwidth" against it flattered every kernel by a
+// quarter.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 
