@@ -33,6 +33,11 @@ def test_sigterm_announces_the_drain_while_still_serving_then_drains(server_fact
             answer = httpx.post(f"{server.base_url}/completions", json=body, timeout=30)
         except httpx.ConnectError:
             return True  # drained with nothing in flight and exited between two polls
+        except httpx.RemoteProtocolError:
+            # Connected in the instant the server closed its socket to exit: the kernel took the
+            # connection, no handler ever saw the request. Only that exit explains it: a server
+            # that hung up on a request and kept running fails here.
+            return server.process.wait(timeout=10) == 0
         return answer.status_code == 503
     deadline = time.monotonic() + 20
     while not refused():
