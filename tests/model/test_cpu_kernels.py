@@ -17,25 +17,55 @@ def kernels():
     return module
 
 
-@pytest.mark.parametrize("heads,kv_heads,block_size", [(12, 4, 16), (4, 4, 4), (8, 1, 8)])
-def test_decode_kernel_matches_sdpa(kernels, heads, kv_heads, block_size):
-    generator = torch.Generator().manual_seed(heads + kv_heads)
-    dim, num_blocks, batch = 64, 128, 7
+@pytest.fixture(params=["vector", "plain"])
+def attention_path(kernels, request):
+    """decode_attention's AVX-512 single pass (where the CPU has AVX-512 and the head_dim is 16, 32,
+    64 or 128) and the plain loops every other case runs."""
+    kernels.set_plain_attention(request.param == "plain")
+    yield request.param
+    kernels.set_plain_attention(False)
+
+
+def _sdpa_reference(query, key_cache, value_cache, tables, lengths, scale):
+    kv_heads, _, block_size, dim = key_cache.shape
+    batch, heads, width = query.shape[0], query.shape[1], tables.shape[1]
+    keys = key_cache.index_select(1, tables.reshape(-1)).view(kv_heads, batch, -1, dim).transpose(0, 1)
+    values = value_cache.index_select(1, tables.reshape(-1)).view(kv_heads, batch, -1, dim).transpose(0, 1)
+    mask = (torch.arange(width * block_size)[None, :] < lengths[:, None])[:, None, None, :]
+    return F.scaled_dot_product_attention(query.unsqueeze(2), keys, values, attn_mask=mask, scale=scale,
+                                          enable_gqa=heads != kv_heads).squeeze(2)
+
+
+# Groups of 1-8 query heads per KV head (the single pass takes up to 4 at a time in registers, 2 at
+# head_dim 128), blocks of 4-32 tokens (its scores are summed 16 tokens at a time), head_dims it
+# takes (16-128) and one it leaves to the plain loops (80).
+@pytest.mark.parametrize("heads,kv_heads,block_size,dim", [
+    (12, 4, 16, 64), (4, 4, 4, 64), (8, 1, 8, 64), (10, 2, 32, 64), (14, 2, 16, 128), (8, 4, 16, 128),
+    (6, 6, 16, 16), (9, 3, 32, 32), (4, 1, 16, 80)])
+def test_decode_kernel_matches_sdpa(kernels, attention_path, heads, kv_heads, block_size, dim):
+    generator = torch.Generator().manual_seed(heads + kv_heads + dim)
+    lengths = torch.tensor([1, 5, block_size, block_size + 1, 3 * block_size - 1, 40, 2, 300])
+    batch, width = len(lengths), int((lengths.max() + block_size - 1) // block_size)
+    num_blocks = batch * width + 7
     key_cache = torch.randn(kv_heads, num_blocks, block_size, dim, generator=generator)
     value_cache = torch.randn(kv_heads, num_blocks, block_size, dim, generator=generator)
-    lengths = torch.tensor([1, 5, block_size, block_size + 1, 3 * block_size - 1, 40, 2])
-    width = int((lengths.max() + block_size - 1) // block_size)
+    # Keys that grow along the pool, so a sequence's running peak moves from block to block.
+    key_cache += torch.linspace(0, 3, num_blocks)[None, :, None, None]
     tables = torch.randperm(num_blocks, generator=generator)[:batch * width].view(batch, width)
     query = torch.randn(batch, heads, dim, generator=generator)
     out = torch.empty_like(query)
     kernels.decode_attention(query, key_cache, value_cache, tables, lengths, dim**-0.5, out)
+    expected = _sdpa_reference(query, key_cache, value_cache, tables, lengths, dim**-0.5)
+    assert torch.allclose(out, expected, atol=1e-5, rtol=1e-4)
 
-    keys = key_cache.index_select(1, tables.reshape(-1)).view(kv_heads, batch, -1, dim).transpose(0, 1)
-    values = value_cache.index_select(1, tables.reshape(-1)).view(kv_heads, batch, -1, dim).transpose(0, 1)
-    mask = (torch.arange(width * block_size)[None, :] < lengths[:, None])[:, None, None, :]
-    expected = F.scaled_dot_product_attention(query.unsqueeze(2), keys, values, attn_mask=mask,
-                                              scale=dim**-0.5, enable_gqa=heads != kv_heads).squeeze(2)
-    assert torch.allclose(out, expected, atol=1e-5)
+
+def test_decode_kernel_refuses_a_block_id_out_of_range(kernels, attention_path):
+    key_cache = torch.randn(2, 8, 16, 64)
+    tables = torch.tensor([[0, 3, 8]])  # 8 is past the pool
+    out = torch.empty(1, 4, 64)
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        kernels.decode_attention(torch.randn(1, 4, 64), key_cache, key_cache.clone(), tables, torch.tensor([40]),
+                                 0.125, out)
 
 
 @pytest.mark.parametrize("out_features,in_features,bias", [(1280, 768, False), (100, 70, True), (64, 16, True)])

@@ -181,12 +181,15 @@ def _cache(dtype, kv_heads, num_blocks, block_size, dim, generator) -> PagedKVCa
     return cache
 
 
+@pytest.mark.parametrize("plain", [False, True], ids=["vector", "plain"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8, torch.float8_e4m3fn])
-@pytest.mark.parametrize("heads,kv_heads,block_size", [(12, 4, 16), (8, 1, 8)])
-def test_decode_attention_reads_narrow_caches(kernels, dtype, heads, kv_heads, block_size):
-    """The kernel on a bfloat16, int8 or float8 cache equals SDPA on the same cache widened by PyTorch."""
+@pytest.mark.parametrize("heads,kv_heads,block_size,dim", [(12, 4, 16, 64), (8, 1, 8, 64), (6, 2, 32, 128)])
+def test_decode_attention_reads_narrow_caches(kernels, dtype, heads, kv_heads, block_size, dim, plain):
+    """The kernel on a bfloat16, int8 or float8 cache equals SDPA on the same cache widened by
+    PyTorch, in its AVX-512 single pass (bfloat16 and int8, where the CPU has AVX-512) and its plain
+    loops."""
     generator = torch.Generator().manual_seed(heads)
-    dim, num_blocks, batch = 64, 64, 5
+    num_blocks, batch = 64, 5
     cache = _cache(dtype, kv_heads, num_blocks, block_size, dim, generator)
     lengths = torch.tensor([1, block_size, block_size + 1, 3 * block_size - 1, 40])
     width = int((lengths.max() + block_size - 1) // block_size)
@@ -194,7 +197,11 @@ def test_decode_attention_reads_narrow_caches(kernels, dtype, heads, kv_heads, b
     query = torch.randn(batch, heads, dim, generator=generator)
     out = torch.empty_like(query)
     scales = (None, None) if cache.scales is None else (cache.scales[0], cache.scales[1])
-    kernels.decode_attention(query, cache.data[0], cache.data[1], tables, lengths, dim**-0.5, out, *scales)
+    kernels.set_plain_attention(plain)
+    try:
+        kernels.decode_attention(query, cache.data[0], cache.data[1], tables, lengths, dim**-0.5, out, *scales)
+    finally:
+        kernels.set_plain_attention(False)
 
     keys, values = cache.gather(0, tables, torch.float32), cache.gather(1, tables, torch.float32)
     mask = (torch.arange(width * block_size)[None, :] < lengths[:, None])[:, None, None, :]

@@ -167,6 +167,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"), py::arg("seq_lens"),
         py::arg("scale"), py::arg("out"), py::arg("key_scales") = py::none(),
         py::arg("value_scales") = py::none());
+  m.def("set_plain_attention", &kvik::set_plain_attention,
+        "run decode_attention's plain loops even where its AVX-512 pass applies (for tests)");
   m.def("write_kv", &kvik::write_kv, "store (tokens, kv_heads, head_dim) rows into their cache slots");
   m.def("rms_norm", &kvik::rms_norm, "out = rms_norm(x) * weight");
   m.def("fused_add_rms_norm", &kvik::fused_add_rms_norm, "residual += x; x = rms_norm(residual) * weight");

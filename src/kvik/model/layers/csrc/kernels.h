@@ -27,6 +27,9 @@ void decode_attention(const at::Tensor& query, const at::Tensor& key_cache, cons
                       const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
                       at::Tensor& out, const c10::optional<at::Tensor>& key_scales = c10::nullopt,
                       const c10::optional<at::Tensor>& value_scales = c10::nullopt);
+// set_plain_attention(true) runs decode_attention's plain loops where its AVX-512 passes would run
+// (tests compare both; A/B timing).
+void set_plain_attention(bool plain);
 // Store rows of `source` (tokens, kv_heads, head_dim; last dimension contiguous) into their cache
 // slots, converting to the cache's dtype (int8: symmetric per token and head, scale = amax / 127).
 void write_kv(const at::Tensor& source, at::Tensor& cache, const c10::optional<at::Tensor>& scales,
