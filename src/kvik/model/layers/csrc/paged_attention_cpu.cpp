@@ -134,17 +134,18 @@ inline __m512 sum16(const __m512 (&v)[16]) {
 }
 
 // q . k without the scale, as V products summed lane-wise (the caller sums the lanes).
-template <int V>
-inline __m512 dot_lanes(const float* q, const float* k) {
-  __m512 p = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k));
-  for (int c = 1; c < V; ++c) p = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * c), _mm512_loadu_ps(k + 16 * c), p);
+template <int V, typename T>
+inline __m512 dot_lanes(const float* q, const T* k) {
+  __m512 p = _mm512_mul_ps(_mm512_loadu_ps(q), load16(k));
+  for (int c = 1; c < V; ++c) p = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * c), load16(k + 16 * c), p);
   return p;
 }
 
-// One block's scores: scores[g * stride + j] = q_g . k_j * fscale (* the row's scale, int8), the
-// keys float32 (narrow caches' widened first).
-template <int V>
-void block_scores_avx512(const float* qg, int64_t group, const float* kb, int64_t count, const c10::Half* kscales,
+// One block's scores: scores[g * stride + j] = q_g . k_j * fscale (* the row's scale, int8).
+// (Widening a narrow block's keys once for all query heads instead of per head made no
+// difference: from cache the pass is bound by the FMAs and the sums.)
+template <int V, typename T>
+void block_scores_avx512(const float* qg, int64_t group, const T* kb, int64_t count, const c10::Half* kscales,
                          float fscale, float* scores, int64_t stride) {
   constexpr int64_t dim = 16 * V;
   for (int64_t g = 0; g < group; ++g) {
@@ -197,11 +198,17 @@ void block_values_avx512(const float* weights, int64_t stride, int64_t group, co
   for (int64_t g = 0; g < group; g += kHeads) {
     const float* w = weights + g * stride;
     float* a = acc + g * dim;
-    switch (std::min(kHeads, group - g)) {
-      case 1: block_values_heads<V, 1>(w, stride, vb, count, vscales, a); break;
-      case 2: block_values_heads<V, 2>(w, stride, vb, count, vscales, a); break;
-      case 3: block_values_heads<V, 3>(w, stride, vb, count, vscales, a); break;
-      default: block_values_heads<V, 4>(w, stride, vb, count, vscales, a); break;
+    const int64_t heads = std::min(kHeads, group - g);
+    if constexpr (kHeads == 2) {  // only the counts that can occur are compiled (4 x 8 would spill)
+      if (heads == 1) block_values_heads<V, 1>(w, stride, vb, count, vscales, a);
+      else block_values_heads<V, 2>(w, stride, vb, count, vscales, a);
+    } else {
+      switch (heads) {
+        case 1: block_values_heads<V, 1>(w, stride, vb, count, vscales, a); break;
+        case 2: block_values_heads<V, 2>(w, stride, vb, count, vscales, a); break;
+        case 3: block_values_heads<V, 3>(w, stride, vb, count, vscales, a); break;
+        default: block_values_heads<V, 4>(w, stride, vb, count, vscales, a); break;
+      }
     }
   }
 }
@@ -215,12 +222,11 @@ constexpr int64_t kBlocksAhead = 2;
 // One (sequence, KV head) pair in a single pass over its blocks (softmax kept online: a running
 // peak and total per query head, the accumulators rescaled when the peak rises), so a block's keys
 // and values are read together and the next blocks' are on their way meanwhile. weights: group *
-// block_size floats of scratch, wide: block_size * dim (narrow caches' keys as float32); acc: group *
-// dim; out: the group's (G, D) rows.
+// block_size floats of scratch; acc: group * dim; out: the group's (G, D) rows.
 template <int V, typename T>
 void attend_avx512(const float* qg, int64_t group, const T* k_head, const T* v_head, const c10::Half* ks_head,
                    const c10::Half* vs_head, const int64_t* table, int64_t num_blocks, int64_t len,
-                   int64_t block_size, float fscale, float* weights, float* wide, float* acc, float* out) {
+                   int64_t block_size, float fscale, float* weights, float* acc, float* out) {
   constexpr int64_t dim = 16 * V;
   const int64_t block_elems = block_size * dim, block_bytes = block_elems * static_cast<int64_t>(sizeof(T));
   const int64_t used = (len + block_size - 1) / block_size;
@@ -240,17 +246,8 @@ void attend_avx512(const float* qg, int64_t group, const T* k_head, const T* v_h
     TORCH_CHECK(id >= 0 && id < num_blocks, "block id out of range");
     if (blk + kBlocksAhead < used) ask(blk + kBlocksAhead);
     const int64_t count = std::min(block_size, len - blk * block_size);
-    const T* keys = k_head + id * block_elems;
-    const c10::Half* key_scales = ks_head ? ks_head + id * block_size : nullptr;
-    if constexpr (std::is_same_v<T, float>) {
-      block_scores_avx512<V>(qg, group, keys, count, key_scales, fscale, weights, block_size);
-    } else {
-      // Narrow keys are widened once into float rows for all the group's query heads (widening
-      // them per head was a third of a bfloat16 cache's time, from cache).
-      for (int64_t j = 0; j < count; ++j)
-        for (int c = 0; c < V; ++c) _mm512_storeu_ps(wide + j * dim + 16 * c, load16(keys + j * dim + 16 * c));
-      block_scores_avx512<V>(qg, group, wide, count, key_scales, fscale, weights, block_size);
-    }
+    block_scores_avx512<V>(qg, group, k_head + id * block_elems, count, ks_head ? ks_head + id * block_size : nullptr,
+                           fscale, weights, block_size);
     for (int64_t g = 0; g < group; ++g) {
       float* w = weights + g * block_size;
       __m512 high = _mm512_set1_ps(std::numeric_limits<float>::lowest());
@@ -323,7 +320,6 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& key_cache,
     std::vector<float> scores;
     std::vector<float> acc(group * dim);
     std::vector<float> row(kWidenRows ? dim : 0);
-    std::vector<float> wide;
     for (int64_t pair = begin; pair < end; ++pair) {
       const int64_t b = pair / kv_heads, kvh = pair % kv_heads;
       const int64_t len = lens[b];
@@ -339,12 +335,11 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& key_cache,
         if (vectors) {
           float* og = o + (b * heads + kvh * group) * dim;
           scores.resize(group * block_size);
-          wide.resize(std::is_same_v<T, float> ? 0 : block_size * dim);
           switch (vectors) {
-            case 1: attend_avx512<1>(qg, group, k_head, v_head, ks_head, vs_head, table, num_blocks, len, block_size, fscale, scores.data(), wide.data(), acc.data(), og); break;
-            case 2: attend_avx512<2>(qg, group, k_head, v_head, ks_head, vs_head, table, num_blocks, len, block_size, fscale, scores.data(), wide.data(), acc.data(), og); break;
-            case 4: attend_avx512<4>(qg, group, k_head, v_head, ks_head, vs_head, table, num_blocks, len, block_size, fscale, scores.data(), wide.data(), acc.data(), og); break;
-            default: attend_avx512<8>(qg, group, k_head, v_head, ks_head, vs_head, table, num_blocks, len, block_size, fscale, scores.data(), wide.data(), acc.data(), og);
+            case 1: attend_avx512<1>(qg, group, k_head, v_head, ks_head, vs_head, table, num_blocks, len, block_size, fscale, scores.data(), acc.data(), og); break;
+            case 2: attend_avx512<2>(qg, group, k_head, v_head, ks_head, vs_head, table, num_blocks, len, block_size, fscale, scores.data(), acc.data(), og); break;
+            case 4: attend_avx512<4>(qg, group, k_head, v_head, ks_head, vs_head, table, num_blocks, len, block_size, fscale, scores.data(), acc.data(), og); break;
+            default: attend_avx512<8>(qg, group, k_head, v_head, ks_head, vs_head, table, num_blocks, len, block_size, fscale, scores.data(), acc.data(), og);
           }
           continue;
         }
