@@ -12,9 +12,10 @@
 // Work is split over (sequence, kv head) pairs; each pair handles its G = H / Hkv query heads, so a
 // key or value row is loaded once for the whole group (GQA). The plain loops: scores first, then
 // max, exponentials and the weighted sum of values. With AVX-512 (attend_avx512), one pass over the
-// blocks with the softmax kept online (running peak and total), the same result to float rounding. Narrow caches are widened in registers; an int8
-// row's scale multiplies its dot product (keys) or its softmax weight (values), once per row. A
-// float8 byte is widened through a 256-entry table (exact: every e4m3fn value is a float32 value).
+// blocks with the softmax kept online (running peak and total), the same result to float rounding.
+// Narrow caches are widened in registers; an int8 row's scale multiplies its dot product (keys) or
+// its softmax weight (values), once per row. A float8 byte is widened through a 256-entry table
+// (exact: every e4m3fn value is a float32 value).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -307,7 +308,7 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& key_cache,
   const int64_t block_bytes = block_size * dim * static_cast<int64_t>(sizeof(T));
   // float8 rows are widened once into `row` and read from there by the group's query heads.
   constexpr bool kWidenRows = std::is_same_v<T, c10::Float8_e4m3fn>;
-  // The AVX-512 passes' vectors per row (head_dim / 16), or 0 for the plain loops: float8 rows are
+  // The AVX-512 pass's vectors per row (head_dim / 16), or 0 for the plain loops: float8 rows are
   // widened once for the group and read by the plain loops.
   int64_t vectors = 0;
 #if defined(__AVX512F__)
