@@ -102,9 +102,12 @@ def test_overload_gives_503_with_retry_after_and_stays_healthy(server_factory):
 
 
 def test_sigterm_drains_in_flight_requests_then_exits_0(server_factory):
-    # Two at a time, so accepted requests are both running and queued when the signal comes.
-    server = server_factory("--drain-timeout", "60", "--max-num-seqs", "2")
-    body = {"model": "tiny", "prompt": "Drain me", "max_tokens": 400, "ignore_eos": True}
+    # One at a time, so accepted requests are both running and queued when the signal comes. The
+    # drain must outlast the 0.3 s before the late request by a wide margin: six requests of 1000
+    # tokens one after another drain in 2.4 s here (with two at a time and 400 tokens it was 0.8 s,
+    # and a CI run once finished draining before the late request came).
+    server = server_factory("--drain-timeout", "60", "--max-num-seqs", "1", "--max-model-len", "1100")
+    body = {"model": "tiny", "prompt": "Drain me", "max_tokens": 1000, "ignore_eos": True}
     results: list[httpx.Response | Exception] = []
 
     def send():
@@ -133,7 +136,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(server_factory):
         thread.join(60)
     assert server.process.wait(timeout=30) == 0
     assert all(isinstance(r, httpx.Response) and r.status_code == 200 for r in results), results
-    assert all(r.json()["usage"]["completion_tokens"] == 400 for r in results)
+    assert all(r.json()["usage"]["completion_tokens"] == 1000 for r in results)
 
 
 def test_api_key(server_factory):
