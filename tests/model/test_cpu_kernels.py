@@ -1,4 +1,5 @@
-"""The compiled CPU decode-attention kernel against PyTorch's SDPA on gathered blocks."""
+"""The compiled CPU attention kernels (decode, over the paged cache; prefill, causal over a chunk's
+keys) against PyTorch's SDPA, and the packed GEMV and the roofline read."""
 
 from __future__ import annotations
 
@@ -66,6 +67,73 @@ def test_decode_kernel_refuses_a_block_id_out_of_range(kernels, attention_path):
     with pytest.raises(RuntimeError, match="block id out of range"):
         kernels.decode_attention(torch.randn(1, 4, 64), key_cache, key_cache.clone(), tables, torch.tensor([40]),
                                  0.125, out)
+
+
+def _causal_reference(query, key, value, scale):
+    """SDPA with query i at position L - n + i over keys 0 ... L - n + i (the chunk's context first)."""
+    n, length = query.shape[0], key.shape[0]
+    mask = torch.arange(length)[None, :] <= (length - n + torch.arange(n))[:, None]
+    return F.scaled_dot_product_attention(query.transpose(0, 1)[None], key.transpose(0, 1)[None],
+                                          value.transpose(0, 1)[None], attn_mask=mask, scale=scale,
+                                          enable_gqa=query.shape[1] != key.shape[1])[0].transpose(0, 1)
+
+
+# Chunks of 1-300 tokens with and without context before them (the kernel takes 64 query tokens per
+# item and 32 keys per step, so lengths either side of both), groups of 1-8 query heads per KV head,
+# each head_dim it takes; inputs are strided views, as the model passes them (q, k and v are column
+# ranges of one projection output; cached keys are a transposed gather).
+@pytest.mark.parametrize("n,context,heads,kv_heads,dim", [
+    (1, 0, 4, 2, 64), (5, 0, 4, 4, 16), (37, 0, 12, 4, 64), (64, 0, 12, 4, 64), (65, 0, 9, 3, 32),
+    (300, 0, 12, 4, 64), (33, 37, 8, 2, 128), (64, 200, 12, 4, 64), (1, 95, 8, 1, 64), (100, 31, 6, 6, 16)])
+@pytest.mark.parametrize("threads,dtype", [(1, torch.float32), (2, torch.float32), (2, torch.bfloat16)])
+def test_prefill_kernel_matches_sdpa(kernels, n, context, heads, kv_heads, dim, threads, dtype):
+    if not kernels.prefill_attention_supported(dim):
+        pytest.skip("prefill_attention needs AVX-512 (the engine keeps SDPA without it)")
+    generator = torch.Generator().manual_seed(n + context + heads + dim)
+    length = n + context
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * dim, generator=generator) * 2
+    query = qkv[:, :heads * dim].view(n, heads, dim)
+    own_keys = qkv[:, heads * dim:(heads + kv_heads) * dim].view(n, kv_heads, dim)
+    own_values = qkv[:, (heads + kv_heads) * dim:].view(n, kv_heads, dim)
+    # Context keys in the gather's layout, (Hkv, L, D) transposed; scores that grow along the keys,
+    # so each row's running peak moves from step to step.
+    context_keys = torch.randn(kv_heads, context, dim, generator=generator) + torch.linspace(0, 2, context)[None, :, None]
+    key = torch.cat([context_keys, own_keys.transpose(0, 1)], dim=1).transpose(0, 1)
+    value = torch.cat([torch.randn(kv_heads, context, dim, generator=generator), own_values.transpose(0, 1)],
+                      dim=1).transpose(0, 1)
+    query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = torch.full((n, heads, dim), float("nan"), dtype=dtype)
+        kernels.prefill_attention(query, key, value, out, dim**-0.5)
+    finally:
+        torch.set_num_threads(previous)
+    # bfloat16: the same float32 arithmetic on the same (bfloat16) inputs, then one rounding of the
+    # output, so at most a bfloat16 step apart from the reference rounded alike.
+    expected = _causal_reference(query.float(), key.float(), value.float(), dim**-0.5).to(dtype)
+    tolerance = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-2, rtol=8e-3)
+    assert torch.allclose(out.float(), expected.float(), **tolerance)
+
+
+def test_prefill_kernel_refuses_what_it_cannot_run(kernels):
+    if not kernels.prefill_attention_supported(64):
+        pytest.skip("prefill_attention needs AVX-512")
+    assert not kernels.prefill_attention_supported(80)
+    q, kv = torch.randn(4, 4, 80), torch.randn(4, 2, 80)
+    with pytest.raises(RuntimeError, match="head_dim 80 is not supported"):
+        kernels.prefill_attention(q, kv, kv, torch.empty_like(q), 0.1)
+    q, kv = torch.randn(4, 6, 64), torch.randn(4, 4, 64)
+    with pytest.raises(RuntimeError, match="multiple of Hkv"):
+        kernels.prefill_attention(q, kv, kv, torch.empty_like(q), 0.1)
+    q, kv = torch.randn(5, 4, 64), torch.randn(4, 2, 64)
+    with pytest.raises(RuntimeError, match="L >= the query tokens"):
+        kernels.prefill_attention(q, kv, kv, torch.empty_like(q), 0.1)
+    q, kv = torch.randn(4, 4, 64), torch.randn(4, 2, 64)
+    with pytest.raises(RuntimeError, match="all of one dtype"):
+        kernels.prefill_attention(q.to(torch.bfloat16), kv, kv, torch.empty_like(q), 0.1)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        kernels.prefill_attention(q.half(), kv.half(), kv.half(), torch.empty_like(q).half(), 0.1)
 
 
 @pytest.mark.parametrize("out_features,in_features,bias", [(1280, 768, False), (100, 70, True), (64, 16, True)])

@@ -48,7 +48,7 @@ def _fingerprint(source: bytes) -> str:
     return digest.hexdigest()[:12]
 
 
-SOURCES = ("paged_attention_cpu.cpp", "fused_ops_cpu.cpp", "gemv_cpu.cpp", "weight_only_cpu.cpp",
+SOURCES = ("paged_attention_cpu.cpp", "prefill_attention_cpu.cpp", "fused_ops_cpu.cpp", "gemv_cpu.cpp", "weight_only_cpu.cpp",
            "read_bandwidth_cpu.cpp", "decode_stack_cpu.cpp")
 HEADERS = ("kernels.h",)
 # -ffast-math lets GCC vectorise expf through glibc's vector math library; the kernels never rely on

@@ -3,11 +3,13 @@
 At decode batch sizes each chain of small PyTorch ops (a norm, the rotary embedding, SiLU gating)
 costs more in dispatch and memory passes than in arithmetic; each replacement here does the same in
 one kernel pass, and reuses the replaced module's parameters and submodules. Decode attention reads
-the paged cache in place (no gather copy, no padding) in any of its dtypes.
+the paged cache in place (no gather copy, no padding) in any of its dtypes; with AVX-512, prefill
+attention computes only what the causal mask keeps, once per group of query heads.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -73,13 +75,17 @@ class FusedLlamaMLP(nn.Module):
 
 
 class CpuPagedAttention(PagedAttention):
-    """PagedAttention whose cache writes and decode attention run compiled; prefill chunks keep
-    PyTorch's SDPA (fused CPU kernels of its own)."""
+    """PagedAttention whose cache writes, decode attention and (on AVX-512, float32) prefill
+    attention run compiled; elsewhere prefill chunks keep PyTorch's SDPA."""
 
     def __init__(self, attention: PagedAttention, kernels: Any) -> None:
         super().__init__(attention.num_heads, attention.num_kv_heads, attention.head_dim, attention.scale)
         self.kv_cache = attention.kv_cache
         self.kernels = kernels
+        # Twice SDPA's speed on a 512-token prompt (csrc/prefill_attention_cpu.cpp). False keeps
+        # SDPA: KVIK_PREFILL_KERNEL=0 (A/B timing), or tests comparing the two.
+        self.compiled_prefill = (os.environ.get("KVIK_PREFILL_KERNEL", "1") != "0"
+                                 and bool(kernels.prefill_attention_supported(attention.head_dim)))
 
     def store(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         cache = self.kv_cache
@@ -88,6 +94,23 @@ class CpuPagedAttention(PagedAttention):
             key_scales, value_scales = cache.scales[0], cache.scales[1]
         self.kernels.write_kv(k, cache.data[0], key_scales, slots)
         self.kernels.write_kv(v, cache.data[1], value_scales, slots)
+
+    def attend_prefills(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                        out: torch.Tensor) -> None:
+        if not self.compiled_prefill or q.dtype not in (torch.float32, torch.bfloat16):
+            super().attend_prefills(q, k, v, meta, out)
+            return
+        for span in meta.prefills:
+            start, end = span.query_start, span.query_start + span.query_len
+            if span.context_len == 0:
+                # As read back from the cache (see PagedAttention.attend_prefills).
+                keys, values = self.kv_cache.round_trip(k[start:end]), self.kv_cache.round_trip(v[start:end])
+            else:
+                total = span.context_len + span.query_len
+                table = span.block_table.unsqueeze(0)
+                keys = self.kv_cache.gather(0, table, q.dtype)[0, :, :total].transpose(0, 1)
+                values = self.kv_cache.gather(1, table, q.dtype)[0, :, :total].transpose(0, 1)
+            self.kernels.prefill_attention(q[start:end], keys, values, out[start:end], self.scale)
 
     def attend_decodes(self, q: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor) -> None:
         cache = self.kv_cache

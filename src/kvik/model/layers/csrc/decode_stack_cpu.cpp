@@ -167,6 +167,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"), py::arg("seq_lens"),
         py::arg("scale"), py::arg("out"), py::arg("key_scales") = py::none(),
         py::arg("value_scales") = py::none());
+  m.def("prefill_attention", &kvik::prefill_attention,
+        "causal attention of a prompt chunk: query (n, H, D), key and value (L, Hkv, D), out (n, H, D)",
+        py::arg("query"), py::arg("key"), py::arg("value"), py::arg("out"), py::arg("scale"));
+  m.def("prefill_attention_supported", &kvik::prefill_attention_supported,
+        "whether prefill_attention runs here for this head_dim (AVX-512 builds)");
   m.def("set_plain_attention", &kvik::set_plain_attention,
         "run decode_attention's plain loops even where its AVX-512 pass applies (for tests)");
   m.def("write_kv", &kvik::write_kv, "store (tokens, kv_heads, head_dim) rows into their cache slots");

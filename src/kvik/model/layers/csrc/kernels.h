@@ -35,6 +35,14 @@ void set_plain_attention(bool plain);
 void write_kv(const at::Tensor& source, at::Tensor& cache, const c10::optional<at::Tensor>& scales,
               const at::Tensor& slots);
 
+// prefill_attention_cpu.cpp: causal attention of a prompt chunk's n query tokens (n, H, D) over
+// L >= n keys and values (L, Hkv, D) (L - n of context, then the chunk's own) into out (n, H, D);
+// float32 or bfloat16 (one dtype for all four), last dimension contiguous. Needs AVX-512 and
+// head_dim 16/32/64/128 (prefill_attention_supported).
+bool prefill_attention_supported(int64_t head_dim);
+void prefill_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, at::Tensor& out,
+                       double scale);
+
 // gemv_cpu.cpp
 at::Tensor gemv_packed(const at::Tensor& x, int64_t weight_address, int64_t out_features,
                        int64_t in_stride, int64_t block, const c10::optional<at::Tensor>& bias);
