@@ -75,7 +75,7 @@ class FusedLlamaMLP(nn.Module):
 
 
 class CpuPagedAttention(PagedAttention):
-    """PagedAttention whose cache writes, decode attention and (on AVX-512, float32) prefill
+    """PagedAttention whose cache writes, decode attention and (on AVX-512, float32 or bfloat16) prefill
     attention run compiled; elsewhere prefill chunks keep PyTorch's SDPA."""
 
     def __init__(self, attention: PagedAttention, kernels: Any) -> None:
