@@ -101,18 +101,25 @@ class PagedAttention(nn.Module):
             start, end = span.query_start, span.query_start + span.query_len
             # 4-D (1, H, n, D): the 3-D form misses the fused CPU kernels.
             query = q[start:end].transpose(0, 1).unsqueeze(0)
+            keys, values = (t.transpose(0, 1).unsqueeze(0) for t in self.span_keys_values(span, k, v, q.dtype))
             if span.context_len == 0:
-                # What a read back from the cache returns, so that a narrow cache gives the same
-                # result whether a prompt arrives whole or in chunks (or shares a prefix).
-                keys = self.kv_cache.round_trip(k[start:end]).transpose(0, 1).unsqueeze(0)
-                values = self.kv_cache.round_trip(v[start:end]).transpose(0, 1).unsqueeze(0)
                 attended = F.scaled_dot_product_attention(query, keys, values, is_causal=True,
                                                           scale=self.scale, enable_gqa=self.gqa)
             else:
-                total = span.context_len + span.query_len
-                table = span.block_table.unsqueeze(0)
-                keys = self.kv_cache.gather(0, table, q.dtype)[:, :, :total]
-                values = self.kv_cache.gather(1, table, q.dtype)[:, :, :total]
                 attended = F.scaled_dot_product_attention(query, keys, values, attn_mask=span.mask,
                                                           scale=self.scale, enable_gqa=self.gqa)
             out[start:end] = attended[0].transpose(0, 1)
+
+    def span_keys_values(self, span: PrefillSpan, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values a prefill chunk attends, (context + chunk, Hkv, D) each in `dtype`:
+        its own as a read back from the cache returns them when nothing precedes it (so that a
+        narrow cache gives the same result whether a prompt arrives whole or in chunks, or shares a
+        prefix), else the cached context and itself gathered through its block table."""
+        start, end = span.query_start, span.query_start + span.query_len
+        if span.context_len == 0:
+            return self.kv_cache.round_trip(k[start:end]), self.kv_cache.round_trip(v[start:end])
+        total = span.context_len + span.query_len
+        table = span.block_table.unsqueeze(0)
+        return (self.kv_cache.gather(0, table, dtype)[0, :, :total].transpose(0, 1),
+                self.kv_cache.gather(1, table, dtype)[0, :, :total].transpose(0, 1))

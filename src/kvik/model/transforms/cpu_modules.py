@@ -102,14 +102,7 @@ class CpuPagedAttention(PagedAttention):
             return
         for span in meta.prefills:
             start, end = span.query_start, span.query_start + span.query_len
-            if span.context_len == 0:
-                # As read back from the cache (see PagedAttention.attend_prefills).
-                keys, values = self.kv_cache.round_trip(k[start:end]), self.kv_cache.round_trip(v[start:end])
-            else:
-                total = span.context_len + span.query_len
-                table = span.block_table.unsqueeze(0)
-                keys = self.kv_cache.gather(0, table, q.dtype)[0, :, :total].transpose(0, 1)
-                values = self.kv_cache.gather(1, table, q.dtype)[0, :, :total].transpose(0, 1)
+            keys, values = self.span_keys_values(span, k, v, q.dtype)
             self.kernels.prefill_attention(q[start:end], keys, values, out[start:end], self.scale)
 
     def attend_decodes(self, q: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor) -> None:
