@@ -104,8 +104,13 @@ class ModelRunner:
                         dtype: torch.dtype) -> int:
         return block_size * kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
 
-    @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> RunnerOutput:
+        if torch.is_inference_mode_enabled():  # the engine process's loop runs in it throughout
+            return self._execute(chunks)
+        with torch.inference_mode():
+            return self._execute(chunks)
+
+    def _execute(self, chunks: list[ScheduledChunk]) -> RunnerOutput:
         plain = self._plain_decode(chunks)
         if plain is not None:
             return plain
