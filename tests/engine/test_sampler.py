@@ -8,7 +8,7 @@ import torch
 from scipy import stats
 
 from kvik import LLM, SamplingParams
-from kvik.engine.sampler import Sampler, argmax_rows, inverse_cdf_draw
+from kvik.engine.sampler import Sampler, _nucleus_without_sort, argmax_rows, inverse_cdf_draw
 from tests.engine.helpers import make_request
 
 VOCAB = 50
@@ -99,6 +99,53 @@ def test_filters_on_a_large_vocabulary_match_the_written_out_distribution():
         assert torch.equal(alone, together[i]), i
     kept = (together > 0).sum(dim=-1).tolist()
     assert kept[0] <= 256 < kept[1] <= 2048 < kept[2] and kept[3] == 10 and kept[7] == vocab
+
+
+def exact_nucleus(logits: torch.Tensor, top_p: float, min_p: float) -> torch.Tensor:
+    """Which tokens top-p then min-p keep of one row, in float64 over a full sort."""
+    probs = torch.softmax(logits.double(), dim=-1)
+    values, order = probs.sort(descending=True)
+    keep = (values.cumsum(dim=0) - values) <= top_p
+    keep[0] = True
+    kept = torch.zeros_like(probs, dtype=torch.bool).scatter_(0, order, keep)
+    return kept & (probs >= min_p * probs.max())
+
+
+@pytest.mark.parametrize("vocab", [5000, 32000])
+def test_nucleus_without_sort_keeps_what_a_full_sort_keeps(vocab):
+    """Rows no top-k cuts and the first 2048 tokens do not cover are binned, not sorted: the same
+    tokens as a float64 sort keeps, with their softmax probabilities, over rows of every shape
+    (flat, peaked, masked to -inf, spanning more than the bins' 40 nats); on a row of equal logits
+    the same count within float rounding (which of equal tokens stay is arbitrary in a sort too)."""
+    generator = torch.Generator().manual_seed(11)
+    base = torch.randn(vocab, generator=generator)
+    masked = base.clone()
+    masked[::2] = float("-inf")  # a grammar's mask
+    wide = base.clone()
+    wide[:100] = -100.0  # far below everything else: past the bins' span
+    flat = torch.zeros(vocab)
+    rows = [base * 0.05, base * 0.5, base * 3.0, masked, wide, flat]
+    cases = [(row, top_p, min_p) for row in rows for top_p, min_p in
+             [(0.1, 0.0), (0.9, 0.0), (0.99, 0.0), (1.0, 0.3), (0.95, 0.05)]]
+    logits = torch.stack([row for row, _, _ in cases])
+    top_p = torch.tensor([p for _, p, _ in cases])
+    min_p = torch.tensor([m for _, _, m in cases])
+    got = _nucleus_without_sort(logits, top_p, min_p, logits.logsumexp(dim=-1))
+    softmax = logits.softmax(dim=-1)
+    for i, (row, p, m) in enumerate(cases):
+        expected = exact_nucleus(row, p, m)
+        kept = got[i] > 0
+        if row is not flat:
+            assert torch.equal(kept, expected), (i, (kept ^ expected).sum())
+        else:  # all tied: float rounding alone moves the cut by a token or two
+            assert abs(int(kept.sum()) - int(expected.sum())) <= 2, i
+        assert torch.allclose(got[i][kept], softmax[i][kept]), i
+    # Batched as alone (the equal-logit rows, sorted whole, among the binned ones): a row's result
+    # depends on that row only.
+    for i in range(len(cases)):
+        alone = _nucleus_without_sort(logits[i:i + 1], top_p[i:i + 1], min_p[i:i + 1],
+                                      logits[i:i + 1].logsumexp(dim=-1))
+        assert torch.equal(alone[0], got[i]), i
 
 
 def test_greedy_takes_argmax_after_processors():

@@ -77,6 +77,73 @@ def _filter_sorted(values: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
     return probs.masked_fill(remove, 0.0), covered
 
 
+# Bins _nucleus_without_sort spreads a row's logits over, from its largest down (at most 40 nats).
+_NUCLEUS_BINS = 2048
+_NUCLEUS_SPAN = 40.0
+_NUCLEUS_MAX_SORTED = 4096  # boundary tokens past which a row is sorted whole
+
+
+def _nucleus_without_sort(logits: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                          log_total: torch.Tensor) -> torch.Tensor:
+    """Top-p and min-p over whole rows without top-k, without sorting them: what `_filter_sorted`
+    keeps of a fully sorted row (probabilities in vocabulary order, 0 where removed). A token is
+    kept by top-p when the mass of the tokens before it in descending order is at most top_p.
+
+    Each row's logits go into bins of equal width below its largest (the last bin takes everything
+    further down); the mass per bin, summed from the top, finds the one bin where that mass passes
+    top_p. Tokens in earlier bins are kept, in later ones removed, and only the boundary bin's
+    tokens are sorted. The mass runs in float64 across the bins and through the boundary bin (each
+    bin's own total is a float32 sum of its few tokens), so the cut falls where a float64 sort puts
+    it on every row the tests try, where the float32 running sum of `_filter_sorted` can move it by
+    a token on a flat row of 32000. A row the bins cannot split (more than _NUCLEUS_MAX_SORTED tokens in its boundary bin:
+    logits all equal, or nearly) is sorted whole as before. Both filters keep the most likely token
+    by construction (its mass before is 0; min_p <= 1)."""
+    rows, last = logits.shape[0], _NUCLEUS_BINS - 1
+    probs = (logits - log_total[:, None]).exp()
+    top = logits.max(dim=-1, keepdim=True).values
+    # The bins span the row's logits, at most _NUCLEUS_SPAN nats (a row with -inf in it: all of them).
+    span = (top - logits.min(dim=-1, keepdim=True).values).clamp(max=_NUCLEUS_SPAN)
+    width = (span / last).clamp(min=1e-30)
+    bins = ((top - logits) / width).nan_to_num(nan=last, posinf=last).clamp_(0, last).long()
+    mass = torch.zeros(rows, _NUCLEUS_BINS, dtype=probs.dtype, device=logits.device)
+    mass = mass.scatter_add_(1, bins, probs).double()
+    through = mass.cumsum(dim=-1)
+    # The boundary bin: the first whose mass, with all before it, passes top_p (the last if none).
+    boundary = (through <= top_p.double()[:, None]).sum(dim=-1).clamp(max=last)
+    before = (through - mass).gather(1, boundary[:, None]).squeeze(1)
+    remove = bins > boundary[:, None]
+    members = bins == boundary[:, None]
+    # A row whose boundary bin holds much of it (the bins could not split it: logits all equal, or
+    # nearly) is sorted whole instead, as `_filter_sorted` does it.
+    crowded = (members.sum(dim=-1) > _NUCLEUS_MAX_SORTED).nonzero().squeeze(1)
+    if len(crowded):
+        members[crowded] = False
+    # The boundary bins' tokens, all rows at once: by row, then by logit descending (not by
+    # probability: on a flat row of 32000, distinct logits often round to one float32 probability).
+    at_row, at_col = members.nonzero(as_tuple=True)
+    order = logits[at_row, at_col].argsort(descending=True, stable=True)
+    order = order[at_row[order].argsort(stable=True)]
+    at_row, at_col = at_row[order], at_col[order]
+    if len(at_row):  # none where top_p >= the whole row's mass (the boundary is then an empty last bin)
+        values = probs[at_row, at_col].double()
+        running = values.cumsum(dim=0) - values  # mass before each token, from the first boundary token
+        counts = torch.bincount(at_row, minlength=rows)
+        row_base = running[(counts.cumsum(dim=0) - counts).clamp(max=len(running) - 1)]
+        mass_before = before[at_row] + running - row_base[at_row]
+        cut = mass_before > top_p.double()[at_row]
+        remove[at_row[cut], at_col[cut]] = True
+    if bool((min_p > 0).any()):
+        remove |= probs < min_p[:, None] * (top - log_total[:, None]).exp()
+    probs = probs.masked_fill(remove, 0.0)
+    if len(crowded):
+        values, order = logits[crowded].sort(dim=-1, descending=True)
+        vocab = logits.shape[-1]
+        kept, _ = _filter_sorted(values, torch.full_like(crowded, vocab), top_p[crowded], min_p[crowded],
+                                 None, vocab)
+        probs[crowded] = torch.zeros_like(kept).scatter_(1, order, kept)
+    return probs
+
+
 def argmax_rows(values: torch.Tensor) -> torch.Tensor:
     """values.argmax(dim=-1) for (R, V) rows. Float32 rows on the CPU go to kvik's kernel: PyTorch's
     CPU argmax walks a row one element at a time (55 us for one 32000-entry row, 1.1-1.7 ms for 16
@@ -243,12 +310,22 @@ class Sampler:
         # The filters need the tokens in order of probability. A full sort of the vocabulary
         # (PyTorch's CPU sort: 1.1 ms a row at 32000 tokens) is only needed where they keep most of
         # it; usually they keep a few, so each row first tries its best 256 tokens (topk: 0.1 ms a
-        # row), then 2048, then the sort, and stops at the first width that holds everything it keeps.
+        # row), then 2048, then the whole row, and stops at the first width that holds everything it
+        # keeps; a whole row without top-k is binned rather than sorted (_nucleus_without_sort).
         # Which width a row takes depends on that row alone.
         log_total = logits.logsumexp(dim=-1) if len(remaining) else None
         for width in (*(w for w in _FILTER_WIDTHS if w < vocab), vocab):
             if len(remaining) == 0:
                 break
+            if width == vocab:
+                # What the widths did not cover: without top-k, bins instead of a sort of the row.
+                unsorted = remaining[top_k[remaining] >= vocab]
+                if len(unsorted):
+                    probs[unsorted] = _nucleus_without_sort(logits[unsorted], top_p[unsorted],
+                                                            min_p[unsorted], log_total[unsorted])
+                    remaining = remaining[top_k[remaining] < vocab]
+                    if len(remaining) == 0:
+                        break
             rows = logits[remaining]
             values, order = rows.sort(dim=-1, descending=True) if width == vocab else rows.topk(width, dim=-1)
             kept, covered = _filter_sorted(values, top_k[remaining], top_p[remaining], min_p[remaining],
