@@ -115,8 +115,8 @@ def exact_nucleus(logits: torch.Tensor, top_p: float, min_p: float) -> torch.Ten
 def test_nucleus_without_sort_keeps_what_a_full_sort_keeps(vocab):
     """Rows no top-k cuts and the first 2048 tokens do not cover are binned, not sorted: the same
     tokens as a float64 sort keeps, with their softmax probabilities, over rows of every shape
-    (flat, peaked, masked to -inf, spanning more than the bins' 40 nats); on a row of equal logits
-    the same count within float rounding (which of equal tokens stay is arbitrary in a sort too)."""
+    (flat, peaked, masked to -inf, spanning more than the bins' 40 nats). A row of equal logits,
+    which bins cannot split, is left to the Sampler's sort."""
     generator = torch.Generator().manual_seed(11)
     base = torch.randn(vocab, generator=generator)
     masked = base.clone()
@@ -130,22 +130,28 @@ def test_nucleus_without_sort_keeps_what_a_full_sort_keeps(vocab):
     logits = torch.stack([row for row, _, _ in cases])
     top_p = torch.tensor([p for _, p, _ in cases])
     min_p = torch.tensor([m for _, _, m in cases])
-    got = _nucleus_without_sort(logits, top_p, min_p, logits.logsumexp(dim=-1))
+    got, split = _nucleus_without_sort(logits, top_p, min_p, logits.logsumexp(dim=-1))
     softmax = logits.softmax(dim=-1)
     for i, (row, p, m) in enumerate(cases):
         expected = exact_nucleus(row, p, m)
         kept = got[i] > 0
-        if row is not flat:
-            assert torch.equal(kept, expected), (i, (kept ^ expected).sum())
-        else:  # all tied: float rounding alone moves the cut by a token or two
-            assert abs(int(kept.sum()) - int(expected.sum())) <= 2, i
+        if row is flat:  # all in one bin: left to the sort (at top_p 1 the bin may be past the cut)
+            assert not split[i] if p < 1.0 else (not split[i] or torch.equal(kept, expected)), i
+            continue
+        assert split[i], i
+        assert torch.equal(kept, expected), (i, (kept ^ expected).sum())
         assert torch.allclose(got[i][kept], softmax[i][kept]), i
-    # Batched as alone (the equal-logit rows, sorted whole, among the binned ones): a row's result
-    # depends on that row only.
+    # The Sampler sorts what the bins leave: the same count as the float64 sort, within rounding.
+    sampler = Sampler(vocab, [], torch.device("cpu"))
+    request = make_request([1], SamplingParams(temperature=1.0, top_p=0.9))
+    sorted_flat = sampler.distribution(flat[None], [request])[0]
+    assert abs(int((sorted_flat > 0).sum()) - int(exact_nucleus(flat, 0.9, 0.0).sum())) <= 2
+    # Batched as alone (the equal-logit rows among the binned ones): a row's result depends on
+    # that row only.
     for i in range(len(cases)):
-        alone = _nucleus_without_sort(logits[i:i + 1], top_p[i:i + 1], min_p[i:i + 1],
-                                      logits[i:i + 1].logsumexp(dim=-1))
-        assert torch.equal(alone[0], got[i]), i
+        alone, alone_split = _nucleus_without_sort(logits[i:i + 1], top_p[i:i + 1], min_p[i:i + 1],
+                                                   logits[i:i + 1].logsumexp(dim=-1))
+        assert bool(alone_split[0]) == bool(split[i]) and torch.equal(alone[0], got[i]), i
 
 
 def test_greedy_takes_argmax_after_processors():

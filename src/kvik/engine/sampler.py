@@ -84,7 +84,7 @@ _NUCLEUS_MAX_SORTED = 4096  # boundary tokens past which a row is sorted whole
 
 
 def _nucleus_without_sort(logits: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
-                          log_total: torch.Tensor) -> torch.Tensor:
+                          log_total: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-p and min-p over whole rows without top-k, without sorting them: what `_filter_sorted`
     keeps of a fully sorted row (probabilities in vocabulary order, 0 where removed). A token is
     kept by top-p when the mass of the tokens before it in descending order is at most top_p.
@@ -95,9 +95,10 @@ def _nucleus_without_sort(logits: torch.Tensor, top_p: torch.Tensor, min_p: torc
     tokens are sorted. The mass runs in float64 across the bins and through the boundary bin (each
     bin's own total is a float32 sum of its few tokens), so the cut falls where a float64 sort puts
     it on every row the tests try, where the float32 running sum of `_filter_sorted` can move it by
-    a token on a flat row of 32000. A row the bins cannot split (more than _NUCLEUS_MAX_SORTED tokens in its boundary bin:
-    logits all equal, or nearly) is sorted whole as before. Both filters keep the most likely token
-    by construction (its mass before is 0; min_p <= 1)."""
+    a token on a flat row of 32000. Returns the probabilities and which rows the bins split: a row
+    with more than _NUCLEUS_MAX_SORTED tokens in its boundary bin (logits all equal, or nearly) is
+    left to the caller's sort. Both filters keep the most likely token by construction (its mass
+    before is 0; min_p <= 1)."""
     rows, last = logits.shape[0], _NUCLEUS_BINS - 1
     probs = (logits - log_total[:, None]).exp()
     top = logits.max(dim=-1, keepdim=True).values
@@ -113,11 +114,8 @@ def _nucleus_without_sort(logits: torch.Tensor, top_p: torch.Tensor, min_p: torc
     before = (through - mass).gather(1, boundary[:, None]).squeeze(1)
     remove = bins > boundary[:, None]
     members = bins == boundary[:, None]
-    # A row whose boundary bin holds much of it (the bins could not split it: logits all equal, or
-    # nearly) is sorted whole instead, as `_filter_sorted` does it.
-    crowded = (members.sum(dim=-1) > _NUCLEUS_MAX_SORTED).nonzero().squeeze(1)
-    if len(crowded):
-        members[crowded] = False
+    split = members.sum(dim=-1) <= _NUCLEUS_MAX_SORTED
+    members &= split[:, None]
     # The boundary bins' tokens, all rows at once: by row, then by logit descending (not by
     # probability: on a flat row of 32000, distinct logits often round to one float32 probability).
     at_row, at_col = members.nonzero(as_tuple=True)
@@ -134,14 +132,7 @@ def _nucleus_without_sort(logits: torch.Tensor, top_p: torch.Tensor, min_p: torc
         remove[at_row[cut], at_col[cut]] = True
     if bool((min_p > 0).any()):
         remove |= probs < min_p[:, None] * (top - log_total[:, None]).exp()
-    probs = probs.masked_fill(remove, 0.0)
-    if len(crowded):
-        values, order = logits[crowded].sort(dim=-1, descending=True)
-        vocab = logits.shape[-1]
-        kept, _ = _filter_sorted(values, torch.full_like(crowded, vocab), top_p[crowded], min_p[crowded],
-                                 None, vocab)
-        probs[crowded] = torch.zeros_like(kept).scatter_(1, order, kept)
-    return probs
+    return probs.masked_fill(remove, 0.0), split
 
 
 def argmax_rows(values: torch.Tensor) -> torch.Tensor:
@@ -319,11 +310,12 @@ class Sampler:
                 break
             if width == vocab:
                 # What the widths did not cover: without top-k, bins instead of a sort of the row.
-                unsorted = remaining[top_k[remaining] >= vocab]
-                if len(unsorted):
-                    probs[unsorted] = _nucleus_without_sort(logits[unsorted], top_p[unsorted],
-                                                            min_p[unsorted], log_total[unsorted])
-                    remaining = remaining[top_k[remaining] < vocab]
+                binnable = remaining[top_k[remaining] >= vocab]
+                if len(binnable):
+                    binned, split = _nucleus_without_sort(logits[binnable], top_p[binnable],
+                                                          min_p[binnable], log_total[binnable])
+                    probs[binnable[split]] = binned[split]
+                    remaining = remaining[~torch.isin(remaining, binnable[split])]
                     if len(remaining) == 0:
                         break
             rows = logits[remaining]
