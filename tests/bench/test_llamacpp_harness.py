@@ -111,6 +111,34 @@ def test_rounds_run_round_after_round_over_every_pair(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "out" / "llamacpp.json").read_text())["config"]["rounds"] == 2
 
 
+def test_which_engine_runs_first_alternates_by_round(tmp_path, monkeypatch):
+    """Each workload runs both engines back to back; the one that goes first swaps every round, so
+    an order effect of the machine does not land on one side. The results keep their sides."""
+    from kvik.bench.llamacpp import harness, measure
+
+    calls = []
+
+    def recorder(name, value):
+        def call(*args, **kwargs):
+            calls.append(name)
+            return value
+        return call
+
+    monkeypatch.setattr(harness, "gguf_file", lambda *args: tmp_path / "m.gguf")
+    monkeypatch.setattr(measure, "llamacpp_single_stream", recorder("llama single", {"decode": 1}))
+    monkeypatch.setattr(measure, "kvik_engine", recorder("kvik engine", {"decode": 2}))
+    monkeypatch.setattr(measure, "llamacpp_served", recorder("llama served", {"served": 3}))
+    monkeypatch.setattr(measure, "kvik_served", recorder("kvik served", {"served": 4}))
+    config = harness.HarnessConfig(llamacpp_dir=tmp_path, models={"a": tmp_path}, out_dir=tmp_path / "out",
+                                   pairs=PAIRS[1:2], rounds=2)
+    results = [harness.run_pair(config, "a", tmp_path, PAIRS[1], round_index) for round_index in (0, 1, 2)]
+    assert calls == ["llama single", "kvik engine", "llama served", "kvik served",
+                     "kvik engine", "llama single", "kvik served", "llama served",
+                     "llama single", "kvik engine", "llama served", "kvik served"]
+    for result in results:
+        assert result["llamacpp"] == {"decode": 1, "served": 3} and result["kvik"] == {"decode": 2, "served": 4}
+
+
 def test_a_plot_of_several_rounds_draws_each_median_with_its_range(tmp_path):
     pytest.importorskip("matplotlib")
     from kvik.bench.llamacpp.harness import combine_rounds, plot_ratios

@@ -8,7 +8,8 @@ file, dequantizes it at load, then applies its own precision flags):
 `PAIRS` holds the pairs issue 12 asks for; `--pairs` picks by name and `--pairs-file` (a JSON list in
 that shape) replaces them, so new kvik flags need no code change here. Every ratio reads "> 1: kvik
 ahead": kvik / llama.cpp for throughputs, llama.cpp / kvik for latencies. The two engines run one
-after the other on each workload, so the noise of a shared machine hits both sides alike.
+after the other on each workload, so the noise of a shared machine hits both sides alike, and which
+goes first alternates from round to round.
 
 With `rounds` > 1 every pair runs that many times (round after round over all pairs, so a slow drift
 of the machine's load spreads over them) and each measure reports the median of its per-round ratios
@@ -79,11 +80,25 @@ def run_pair(config: HarnessConfig, label: str, model: Path, pair: dict[str, Any
     work = config.out_dir / f"{label}-{slug}" / f"round-{round_index + 1}"
     work.mkdir(parents=True, exist_ok=True)
     print(f"\n== {label}: {pair['name']} on {gguf.name}, round {round_index + 1} of {config.rounds}", flush=True)
-    llama_single = measure.llamacpp_single_stream(config.llamacpp_dir, gguf, config.threads)
-    kvik = measure.kvik_engine(gguf, engine_args, config.offline, work / "kvik-engine.json")
-    llama_http = measure.llamacpp_served(config.llamacpp_dir, gguf, config.threads, config.offline,
-                                         config.served, work)
-    kvik_http = measure.kvik_served(gguf, engine_args, config.served, work)
+    # Which engine goes first on each workload alternates from round to round: on a shared machine
+    # the order of two back-to-back runs moved a ratio by a few percent either way (one way in one
+    # batch of pairs, the other way in the next), so a fixed order would put that on one side.
+    llama_first = round_index % 2 == 0
+
+    def in_turn(llama_side: Any, kvik_side: Any) -> tuple[Any, Any]:
+        if llama_first:
+            first = llama_side()
+            return first, kvik_side()
+        second = kvik_side()
+        return llama_side(), second
+
+    llama_single, kvik = in_turn(
+        lambda: measure.llamacpp_single_stream(config.llamacpp_dir, gguf, config.threads),
+        lambda: measure.kvik_engine(gguf, engine_args, config.offline, work / "kvik-engine.json"))
+    llama_http, kvik_http = in_turn(
+        lambda: measure.llamacpp_served(config.llamacpp_dir, gguf, config.threads, config.offline,
+                                        config.served, work),
+        lambda: measure.kvik_served(gguf, engine_args, config.served, work))
     result = {"model": label, "pair": pair, "gguf": str(gguf),
               "kvik": {**kvik, **kvik_http}, "llamacpp": {**llama_single, **llama_http}}
     (work / "result.json").write_text(json.dumps(result, indent=1))
