@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,17 +81,19 @@ def run_pair(config: HarnessConfig, label: str, model: Path, pair: dict[str, Any
     work = config.out_dir / f"{label}-{slug}" / f"round-{round_index + 1}"
     work.mkdir(parents=True, exist_ok=True)
     print(f"\n== {label}: {pair['name']} on {gguf.name}, round {round_index + 1} of {config.rounds}", flush=True)
-    # Which engine goes first on each workload alternates from round to round: on a shared machine
-    # the order of two back-to-back runs moved a ratio by a few percent either way (one way in one
-    # batch of pairs, the other way in the next), so a fixed order would put that on one side.
+    # Which engine goes first on each workload alternates from round to round. On the shared 2-core
+    # machine the order moves a ratio: in the first run that alternated (4 rounds, both models, six
+    # pairs) kvik's ratios were ~4 % lower, by the median of the measures, in the rounds it went
+    # first; the fixed order before (llama.cpp first) put that on kvik's side.
     llama_first = round_index % 2 == 0
 
-    def in_turn(llama_side: Any, kvik_side: Any) -> tuple[Any, Any]:
+    def in_turn(llama_side: Callable[[], Any], kvik_side: Callable[[], Any]) -> tuple[Any, Any]:
+        """(llama.cpp's result, kvik's), measured in this round's order."""
         if llama_first:
-            first = llama_side()
-            return first, kvik_side()
-        second = kvik_side()
-        return llama_side(), second
+            llama = llama_side()
+            return llama, kvik_side()
+        kvik = kvik_side()
+        return llama_side(), kvik
 
     llama_single, kvik = in_turn(
         lambda: measure.llamacpp_single_stream(config.llamacpp_dir, gguf, config.threads),
