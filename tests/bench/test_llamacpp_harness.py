@@ -124,19 +124,56 @@ def test_which_engine_runs_first_alternates_by_round(tmp_path, monkeypatch):
             return value
         return call
 
+    def served(*args, llama_first):
+        calls.append("served, llama.cpp first at " + ",".join(str(i) for i in range(3) if llama_first(i)))
+        return {"served": 3}, {"served": 4}
+
     monkeypatch.setattr(harness, "gguf_file", lambda *args: tmp_path / "m.gguf")
     monkeypatch.setattr(measure, "llamacpp_single_stream", recorder("llama single", {"decode": 1}))
     monkeypatch.setattr(measure, "kvik_engine", recorder("kvik engine", {"decode": 2}))
-    monkeypatch.setattr(measure, "llamacpp_served", recorder("llama served", {"served": 3}))
-    monkeypatch.setattr(measure, "kvik_served", recorder("kvik served", {"served": 4}))
+    monkeypatch.setattr(measure, "served_side_by_side", served)
     config = harness.HarnessConfig(llamacpp_dir=tmp_path, models={"a": tmp_path}, out_dir=tmp_path / "out",
                                    pairs=PAIRS[1:2], rounds=2)
     results = [harness.run_pair(config, "a", tmp_path, PAIRS[1], round_index) for round_index in (0, 1, 2)]
-    assert calls == ["llama single", "kvik engine", "llama served", "kvik served",
-                     "kvik engine", "llama single", "kvik served", "llama served",
-                     "llama single", "kvik engine", "llama served", "kvik served"]
+    assert calls == ["llama single", "kvik engine", "served, llama.cpp first at 0,2",
+                     "kvik engine", "llama single", "served, llama.cpp first at 1",
+                     "llama single", "kvik engine", "served, llama.cpp first at 0,2"]
     for result in results:
         assert result["llamacpp"] == {"decode": 1, "served": 3} and result["kvik"] == {"decode": 2, "served": 4}
+
+
+def test_served_latencies_pair_each_concurrency_with_both_servers_up(tmp_path, monkeypatch):
+    """Both servers start before anything is measured; llama-server's offline workload runs first,
+    then each concurrency on both servers back to back, in the order `llama_first` gives."""
+    from contextlib import contextmanager
+
+    from kvik.bench.llamacpp import measure
+
+    events = []
+
+    @contextmanager
+    def server(command, port, log_path):
+        name = "kvik" if "kvik.cli.main" in command else "llama"
+        events.append(f"start {name}")
+        yield f"http://{name}"
+        events.append(f"stop {name}")
+
+    def served_at(url, spec, vocab, concurrency):
+        events.append(f"{url[7:]} c={concurrency}")
+        return {"p50_tpot_ms": 1.0 if url.endswith("kvik") else 2.0}
+
+    monkeypatch.setattr(measure, "model_vocab_size", lambda path: 100)
+    monkeypatch.setattr(measure, "llamacpp_bin", lambda directory, tool: directory / tool)
+    monkeypatch.setattr(measure, "running_server", server)
+    monkeypatch.setattr(measure, "http_offline", lambda url, spec, vocab: events.append(f"{url[7:]} offline") or {})
+    monkeypatch.setattr(measure, "served_at", served_at)
+    llama, kvik = measure.served_side_by_side(
+        tmp_path, tmp_path / "m.gguf", 2, {"quantization": "int8"}, measure.OfflineSpec(), measure.ServedSpec(),
+        tmp_path, llama_first=lambda index: index % 2 == 1)
+    assert events == ["start llama", "start kvik", "llama offline", "kvik c=1", "llama c=1",
+                      "llama c=4", "kvik c=4", "kvik c=16", "llama c=16", "stop kvik", "stop llama"]
+    assert llama["served"]["4"] == {"p50_tpot_ms": 2.0} and kvik["served"]["4"] == {"p50_tpot_ms": 1.0}
+    assert set(llama) == {"offline", "served"} and set(kvik) == {"served"}
 
 
 def test_a_plot_of_several_rounds_draws_each_median_with_its_range(tmp_path):

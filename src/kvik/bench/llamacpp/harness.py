@@ -9,7 +9,8 @@ file, dequantizes it at load, then applies its own precision flags):
 that shape) replaces them, so new kvik flags need no code change here. Every ratio reads "> 1: kvik
 ahead": kvik / llama.cpp for throughputs, llama.cpp / kvik for latencies. The two engines run one
 after the other on each workload, so the noise of a shared machine hits both sides alike, and which
-goes first alternates from round to round.
+goes first alternates from round to round. For the served latencies both servers are up at once and
+each concurrency runs on one right after the other (the first alternating by concurrency too).
 
 With `rounds` > 1 every pair runs that many times (round after round over all pairs, so a slow drift
 of the machine's load spreads over them) and each measure reports the median of its per-round ratios
@@ -98,10 +99,11 @@ def run_pair(config: HarnessConfig, label: str, model: Path, pair: dict[str, Any
     llama_single, kvik = in_turn(
         lambda: measure.llamacpp_single_stream(config.llamacpp_dir, gguf, config.threads),
         lambda: measure.kvik_engine(gguf, engine_args, config.offline, work / "kvik-engine.json"))
-    llama_http, kvik_http = in_turn(
-        lambda: measure.llamacpp_served(config.llamacpp_dir, gguf, config.threads, config.offline,
-                                        config.served, work),
-        lambda: measure.kvik_served(gguf, engine_args, config.served, work))
+    # Both servers stay up for the served workloads, and each concurrency runs on one right after
+    # the other, the first server alternating by concurrency as well as by round.
+    llama_http, kvik_http = measure.served_side_by_side(
+        config.llamacpp_dir, gguf, config.threads, engine_args, config.offline, config.served, work,
+        llama_first=lambda index: (round_index + index) % 2 == 0)
     result = {"model": label, "pair": pair, "gguf": str(gguf),
               "kvik": {**kvik, **kvik_http}, "llamacpp": {**llama_single, **llama_http}}
     (work / "result.json").write_text(json.dumps(result, indent=1))

@@ -3,7 +3,8 @@
 llama.cpp: `llama-bench` for single-stream decode (tg128) and the 512-token prompt (pp512),
 `llama-server --parallel 16` for the offline workload and the served latencies. kvik: its engine in a
 child process for tg128/pp512/offline (`python -m kvik.bench.llamacpp.measure ...`), `kvik serve` for
-the served latencies. Both servers get the same token-id requests from kvik's load generator.
+the served latencies. Both servers get the same token-id requests from kvik's load generator, and run
+side by side, each concurrency measured on one right after the other.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -97,32 +99,44 @@ def http_offline(url: str, spec: OfflineSpec, vocab: int) -> dict[str, float]:
             "output_length_mismatches": summary["output_length_mismatches"]}
 
 
-def served_latencies(url: str, spec: ServedSpec, vocab: int) -> dict[str, dict[str, float]]:
-    """TTFT and TPOT (p50, p99, ms) at each concurrency, closed loop."""
-    figures: dict[str, dict[str, float]] = {}
-    for concurrency in spec.concurrencies:
-        workload = WorkloadSpec(kind="random", num_prompts=max(spec.min_prompts, 2 * concurrency),
-                                input_len_range=spec.input_len_range,
-                                output_len_range=(spec.output_len, spec.output_len),
-                                seed=spec.seed + concurrency)
-        config = LoadConfig(base_url=url, model="m", max_concurrency=concurrency, show_progress=False)
-        result = asyncio.run(run_load(build_workload(workload, False, vocab), config))
-        summary = summarize(result.records, result.duration_s, SLO())
-        if summary["failed"]:
-            raise RuntimeError(f"{summary['failed']} request(s) failed at concurrency {concurrency}")
-        figures[str(concurrency)] = {key: summary[key] for key in (
-            "p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms", "output_throughput")}
-    return figures
+def served_at(url: str, spec: ServedSpec, vocab: int, concurrency: int) -> dict[str, float]:
+    """TTFT and TPOT (p50, p99, ms) at one concurrency, closed loop."""
+    workload = WorkloadSpec(kind="random", num_prompts=max(spec.min_prompts, 2 * concurrency),
+                            input_len_range=spec.input_len_range,
+                            output_len_range=(spec.output_len, spec.output_len),
+                            seed=spec.seed + concurrency)
+    config = LoadConfig(base_url=url, model="m", max_concurrency=concurrency, show_progress=False)
+    result = asyncio.run(run_load(build_workload(workload, False, vocab), config))
+    summary = summarize(result.records, result.duration_s, SLO())
+    if summary["failed"]:
+        raise RuntimeError(f"{summary['failed']} request(s) failed at concurrency {concurrency} on {url}")
+    return {key: summary[key] for key in (
+        "p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms", "output_throughput")}
 
 
-def llamacpp_served(llamacpp_dir: Path, gguf: Path, threads: int, offline: OfflineSpec,
-                    served: ServedSpec, log_dir: Path) -> dict[str, Any]:
+def served_side_by_side(llamacpp_dir: Path, gguf: Path, threads: int, engine_args: dict[str, Any],
+                        offline: OfflineSpec, served: ServedSpec, log_dir: Path,
+                        llama_first: Callable[[int], bool]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """llama-server's offline workload, then both servers' latencies at each concurrency, measured
+    back to back with both servers up (the idle one sleeps): (llama.cpp's figures, kvik's).
+
+    `llama_first(i)` says which server goes first at the i-th concurrency. Pairing each concurrency's
+    two runs seconds apart, rather than one server's three runs minutes before the other's, keeps a
+    phase of the shared machine (its read speed moves 2x over minutes) out of the ratios.
+    """
     vocab = model_vocab_size(str(gguf))
-    port = free_port()
-    command = llamacpp_server_command(llamacpp_dir, gguf, port, threads)
-    with running_server(command, port, log_dir / f"llama-server-{gguf.stem}.log") as url:
-        return {"offline": http_offline(url, offline, vocab),
-                "served": served_latencies(url, served, vocab)}
+    llama_port, kvik_port = free_port(), free_port()
+    llama_command = llamacpp_server_command(llamacpp_dir, gguf, llama_port, threads)
+    kvik = kvik_command(str(gguf), kvik_port, *engine_flags(engine_args))
+    with running_server(llama_command, llama_port, log_dir / f"llama-server-{gguf.stem}.log") as llama_url, \
+            running_server(kvik, kvik_port, log_dir / f"kvik-serve-{gguf.stem}.log") as kvik_url:
+        llama: dict[str, Any] = {"offline": http_offline(llama_url, offline, vocab), "served": {}}
+        ours: dict[str, Any] = {"served": {}}
+        for index, concurrency in enumerate(served.concurrencies):
+            runs = [(llama, llama_url), (ours, kvik_url)]
+            for side, url in runs if llama_first(index) else runs[::-1]:
+                side["served"][str(concurrency)] = served_at(url, served, vocab, concurrency)
+        return llama, ours
 
 
 # --- kvik ----------------------------------------------------------------------------------------------
@@ -133,15 +147,6 @@ def kvik_engine(gguf: Path, engine_args: dict[str, Any], offline: OfflineSpec,
     subprocess.run([sys.executable, "-m", "kvik.bench.llamacpp.measure", str(gguf),
                     json.dumps(engine_args), json.dumps(asdict(offline)), str(out)], check=True)
     return json.loads(out.read_text())
-
-
-def kvik_served(gguf: Path, engine_args: dict[str, Any], served: ServedSpec,
-                log_dir: Path) -> dict[str, Any]:
-    vocab = model_vocab_size(str(gguf))
-    port = free_port()
-    command = kvik_command(str(gguf), port, *engine_flags(engine_args))
-    with running_server(command, port, log_dir / f"kvik-serve-{gguf.stem}.log") as url:
-        return {"served": served_latencies(url, served, vocab)}
 
 
 def _kvik_child(gguf: str, engine_args: dict[str, Any], offline: dict[str, Any]) -> dict[str, Any]:
