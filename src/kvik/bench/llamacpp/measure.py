@@ -127,13 +127,13 @@ def served_side_by_side(llamacpp_dir: Path, gguf: Path, threads: int, engine_arg
     vocab = model_vocab_size(str(gguf))
     llama_port, kvik_port = free_port(), free_port()
     llama_command = llamacpp_server_command(llamacpp_dir, gguf, llama_port, threads)
-    kvik = kvik_command(str(gguf), kvik_port, *engine_flags(engine_args))
+    kvik_serve = kvik_command(str(gguf), kvik_port, *engine_flags(engine_args))
     with running_server(llama_command, llama_port, log_dir / f"llama-server-{gguf.stem}.log") as llama_url, \
-            running_server(kvik, kvik_port, log_dir / f"kvik-serve-{gguf.stem}.log") as kvik_url:
+            running_server(kvik_serve, kvik_port, log_dir / f"kvik-serve-{gguf.stem}.log") as kvik_url:
         llama: dict[str, Any] = {"offline": http_offline(llama_url, offline, vocab), "served": {}}
         ours: dict[str, Any] = {"served": {}}
+        runs = [(llama, llama_url), (ours, kvik_url)]
         for index, concurrency in enumerate(served.concurrencies):
-            runs = [(llama, llama_url), (ours, kvik_url)]
             for side, url in runs if llama_first(index) else runs[::-1]:
                 side["served"][str(concurrency)] = served_at(url, served, vocab, concurrency)
         return llama, ours
