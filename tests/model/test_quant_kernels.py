@@ -71,6 +71,9 @@ def test_weight_only_linear_matches_torch(kernels, code_path, kind, group, zero_
     with torch.inference_mode():
         for rows in (1, 2, 3, 4, 5, 7, 16, 17, 64):
             x = torch.randn(rows, in_features)
+            if rows > 32 and layer.kernel_weight().bf16_prompt_tiles():
+                # Prompts on an AVX512-BF16 CPU: the rows rounded to bfloat16, the products exact.
+                x = x.bfloat16().float()
             expected = F.linear(round_activations(x) if rounded else x, reference, layer.bias)
             assert torch.allclose(layer(x), expected, rtol=1e-4, atol=1e-4), rows
         x = torch.randn(2, 3, in_features)  # any leading shape
@@ -143,6 +146,10 @@ def test_prompt_tiles_cover_every_row(kernels, kind, group, zero_point):
         pytest.skip("no AVX-512: prompts take the widened GEMM")
     assert layer.kernel_weight().prompt_tiles()
     x = torch.randn(300, 2048)
+    if layer.kernel_weight().bf16_prompt_tiles():
+        # bfloat16 on an AVX512-BF16 CPU: calls of 33+ rows multiply bfloat16-rounded rows (exact
+        # products) in the kernel's bfloat16 tiles; rows that are bfloat16 already lose nothing.
+        x = x.bfloat16().float()
     with torch.inference_mode():
         expected = F.linear(x, layer.dequantize(), layer.bias)
         for rows in (16, 129, 300):
@@ -150,8 +157,9 @@ def test_prompt_tiles_cover_every_row(kernels, kind, group, zero_point):
 
 
 def test_bfloat16_gemm_path_matches(kernels):
-    """The path CPUs with bfloat16 arithmetic take for prefill (forced here: slower, same result
-    within bfloat16's rounding of the activations)."""
+    """The path CPUs with bfloat16 arithmetic take for prefill (forced here: the kernel's bfloat16
+    tiles where it was built with AVX512-BF16, else oneDNN's bfloat16 GEMM; the same result within
+    bfloat16's rounding of the activations)."""
     torch.manual_seed(0)
     linear = torch.nn.Linear(96, 80)
     layer = WeightOnlyLinear.from_linear(linear, "bfloat16")

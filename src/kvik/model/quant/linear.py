@@ -4,7 +4,9 @@ On the CPU with the compiled kernels, batches of up to `SMALL_BATCH_ROWS` rows r
 widens the weights in registers and streams each block once per four rows (decoding: the bytes per
 token shrink with the format). Larger batches (prefill) are bound by arithmetic, not bytes: the
 weight is widened into a float32 matrix once per call and multiplied by the BLAS GEMM, or, on CPUs
-with bfloat16 arithmetic, by oneDNN's bfloat16 GEMM. On CPUs with AVX512-VNNI, int8 and int4 weights
+with bfloat16 arithmetic, bfloat16 weights multiply bfloat16-rounded rows in the kernel's AVX512-BF16
+tiles, straight from the stored blocks (oneDNN's bfloat16 GEMM on a per-call copy where the kernel
+was built without them: the copy made short prompts 1.5-2.3x slower). On CPUs with AVX512-VNNI, int8 and int4 weights
 instead multiply activations rounded to int8 in integer arithmetic, at every batch size (faster than
 both paths above, for decode and prefill alike), unless the weight's `allow_int8_activations` (the
 engine's `--activations`) or `kernels.set_int8_activations(False)` turns it off. Without the kernels (CUDA, or no compiler) the weight is dequantized with PyTorch ops on every
@@ -115,8 +117,10 @@ class WeightOnlyLinear(nn.Module):
             out = F.linear(rows, self.dequantize(rows.dtype),
                            None if self.bias is None else self.bias.to(rows.dtype))
         elif (rows.shape[0] <= SMALL_BATCH_ROWS or self._kernel.int8_activations()
+              or self._kernel.bf16_prompt_tiles()
               or (not self._bf16_gemm and self._kernel.prompt_tiles())):
-            # (CPUs with native bfloat16 multiply prompts faster in a bfloat16 GEMM than in FMA tiles.)
+            # (CPUs with native bfloat16 multiply prompts faster in bfloat16, in the kernel's tiles
+            # where it has them, than in float32 FMA tiles.)
             out = self._kernel(rows.contiguous())
         elif self._bf16_gemm:
             weight = self._kernel.dequantize_transposed(True)  # (K, N) bfloat16

@@ -110,5 +110,7 @@ bool uses_int8_activations(const LinearWeight& weight);
 // Whether prompts (16+ rows) on this weight run in kvik's kernel rather than a GEMM on the widened
 // matrix: float32 activations on AVX-512 (register tiles of up to 12 rows by 32 outputs).
 bool uses_prompt_tiles(const LinearWeight& weight);
+// Whether prompts (more than 32 rows) on this bfloat16 weight multiply in bfloat16 (AVX512-BF16).
+bool uses_bf16_prompt_tiles(const LinearWeight& weight);
 
 }  // namespace kvik

@@ -839,6 +839,104 @@ void tiled_rows_avx512(const WeightView& v, const float* x, int64_t rows, int64_
 }
 #endif
 
+#if KVIK_WEIGHT_ONLY_AVX2 && defined(__AVX512F__) && defined(__AVX512BF16__)
+// Prompts on bfloat16 weights where the CPU multiplies bfloat16 (AVX512-BF16): vdpbf16ps adds two
+// products per float32 lane, so a tile reads each pair of inputs of a block as one 64-byte operand,
+// row j's two weights side by side, against the pair of activations broadcast. The operands come
+// from the stored block itself, interleaved once per call into a buffer that stays in L2 (one byte
+// permute per 64 bytes), not from a copy of the whole weight: the GEMM path this replaces copied
+// every weight into a (K, N) matrix on each call and oneDNN reordered it again, a cost per call that
+// a short prompt paid in full. The activations are rounded to bfloat16, as that path rounded them.
+constexpr int kBf16Tile = 12;
+
+struct PairIndex {
+  alignas(64) uint16_t words[32];
+  constexpr PairIndex() : words() {
+    for (int j = 0; j < 16; ++j) {
+      words[2 * j] = static_cast<uint16_t>(j);            // input k, row j
+      words[2 * j + 1] = static_cast<uint16_t>(16 + j);   // input k + 1, row j
+    }
+  }
+};
+constexpr PairIndex kPairIndex{};
+
+// out[m][block b outputs] for M rows: xp holds each row's inputs as bfloat16 pairs (32-bit words),
+// ops the interleaved operands (pairs x B blocks of 64 bytes).
+template <int M, int B>
+void tile_bf16dot(const __m512i* ops, const uint32_t* xp, int64_t pairs, int64_t x_stride, const float* bias,
+                  int64_t count, float* out, int64_t out_stride) {
+  __m512 acc[M][B];
+  for (int m = 0; m < M; ++m)
+    for (int b = 0; b < B; ++b) acc[m][b] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512bh w[B];
+    for (int b = 0; b < B; ++b) w[b] = (__m512bh)_mm512_load_si512(ops + p * B + b);
+#pragma GCC unroll 12
+    for (int m = 0; m < M; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[m * x_stride + p]));
+      for (int b = 0; b < B; ++b) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], w[b], xv);
+    }
+  }
+  for (int b = 0; b < B; ++b) {
+    const __mmask16 mask = b + 1 < B ? __mmask16(0xffff) : static_cast<__mmask16>((1u << count) - 1);
+    const __m512 add = bias ? _mm512_maskz_loadu_ps(mask, bias + b * kBlock) : _mm512_setzero_ps();
+    for (int m = 0; m < M; ++m) _mm512_mask_storeu_ps(out + m * out_stride + b * kBlock, mask, _mm512_add_ps(acc[m][b], add));
+  }
+}
+
+using Bf16TileKernel = void (*)(const __m512i*, const uint32_t*, int64_t, int64_t, const float*, int64_t, float*, int64_t);
+
+template <int B, std::size_t... I>
+constexpr std::array<Bf16TileKernel, sizeof...(I)> bf16dot_kernels(std::index_sequence<I...>) {
+  return {&tile_bf16dot<static_cast<int>(I) + 1, B>...};
+}
+
+void tiled_rows_bf16dot(const WeightView& v, const float* x, int64_t rows, int64_t out_features, const float* bias,
+                        float* out) {
+  static constexpr auto kPairs = bf16dot_kernels<2>(std::make_index_sequence<kBf16Tile>{});
+  static constexpr auto kSingles = bf16dot_kernels<1>(std::make_index_sequence<kBf16Tile>{});
+  const int64_t in_features = v.in_features, pairs = (in_features + 1) / 2;
+  const int64_t blocks = (out_features + kBlock - 1) / kBlock, block_pairs = (blocks + 1) / 2;
+  // The rows as bfloat16 pairs, an odd last input paired with zero.
+  std::vector<uint32_t> xp(rows * pairs, 0u);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      auto* dst = reinterpret_cast<c10::BFloat16*>(xp.data() + r * pairs);
+      for (int64_t k = 0; k < in_features; ++k) dst[k] = c10::BFloat16(x[r * in_features + k]);
+    }
+  });
+  const __m512i index = _mm512_load_si512(kPairIndex.words);
+  const auto* data = static_cast<const uint16_t*>(v.data);
+  at::parallel_for(0, block_pairs, 1, [&](int64_t begin, int64_t end) {
+    std::unique_ptr<__m512i[]> ops(new __m512i[pairs * 2]);
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t block = 2 * pair, first = block * kBlock;
+      const int nb = block + 1 < blocks ? 2 : 1;
+      const int64_t count = std::min<int64_t>(kBlock, out_features - (first + (nb - 1) * kBlock));
+      for (int b = 0; b < nb; ++b) {
+        const uint16_t* w = data + (block + b) * in_features * kBlock;
+        for (int64_t p = 0; p < pairs; ++p) {
+          // Inputs 2p and 2p + 1 of the block are 64 contiguous bytes (an odd last one: 32 and zeros).
+          const __m512i raw = 2 * p + 1 < in_features
+              ? _mm512_loadu_si512(w + 2 * p * kBlock)
+              : _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 2 * p * kBlock)));
+          _mm512_store_si512(ops.get() + p * nb + b, _mm512_permutexvar_epi16(index, raw));
+        }
+      }
+      for (int64_t r = 0; r < rows; r += kBf16Tile) {
+        const int64_t m = std::min<int64_t>(kBf16Tile, rows - r);
+        (nb == 2 ? kPairs : kSingles)[m - 1](ops.get(), xp.data() + r * pairs, pairs, pairs,
+                                             bias ? bias + first : nullptr, count, out + r * out_features + first,
+                                             out_features);
+      }
+    }
+  });
+}
+#define KVIK_BF16_DOT 1
+#else
+#define KVIK_BF16_DOT 0
+#endif
+
 // Calls f(std::integral_constant<int, M>) for M = rows (1..kRows): the kernels take M as a template.
 template <typename F>
 void with_rows(int64_t rows, F&& f) {
@@ -979,6 +1077,21 @@ bool float_tiles(const WeightView& v, int64_t rows) {
 #endif
 }
 
+// From this many rows a bfloat16 weight's rows are rounded to bfloat16 and multiplied in bfloat16
+// (AVX512-BF16), where linear.py's SMALL_BATCH_ROWS sent them to a bfloat16 GEMM before; fewer rows
+// (decode batches) keep float32 activations.
+constexpr int64_t kBf16DotMinRows = 33;
+
+// Whether a prompt on this weight multiplies in bfloat16 (AVX512-BF16 builds).
+bool bf16_dot_tiles(const WeightView& v) {
+#if KVIK_BF16_DOT
+  return v.format == kvik::kBFloat16 && !portable_only.load(std::memory_order_relaxed);
+#else
+  (void)v;
+  return false;
+#endif
+}
+
 }  // namespace
 
 namespace kvik {
@@ -1072,6 +1185,12 @@ at::Tensor weight_only_linear(const at::Tensor& x, const LinearWeight& weight) {
         }
       }
     });
+    return out;
+  }
+#endif
+#if KVIK_BF16_DOT
+  if (rows > kBf16DotMinRows - 1 && bf16_dot_tiles(view)) {
+    tiled_rows_bf16dot(view, xp, rows, out_features, bias, op);
     return out;
   }
 #endif
@@ -1179,6 +1298,10 @@ bool uses_int8_activations(const LinearWeight& weight) {
 
 bool uses_prompt_tiles(const LinearWeight& weight) {
   return weight.format != kPackedFloat32 && float_tiles(WeightView(weight), 0);
+}
+
+bool uses_bf16_prompt_tiles(const LinearWeight& weight) {
+  return weight.format != kPackedFloat32 && bf16_dot_tiles(WeightView(weight));
 }
 
 const char* simd_isa() {
