@@ -71,9 +71,6 @@ def test_weight_only_linear_matches_torch(kernels, code_path, kind, group, zero_
     with torch.inference_mode():
         for rows in (1, 2, 3, 4, 5, 7, 16, 17, 64):
             x = torch.randn(rows, in_features)
-            if rows > 32 and layer.kernel_weight().bf16_prompt_tiles():
-                # Prompts on an AVX512-BF16 CPU: the rows rounded to bfloat16, the products exact.
-                x = x.bfloat16().float()
             expected = F.linear(round_activations(x) if rounded else x, reference, layer.bias)
             assert torch.allclose(layer(x), expected, rtol=1e-4, atol=1e-4), rows
         x = torch.randn(2, 3, in_features)  # any leading shape
@@ -146,10 +143,6 @@ def test_prompt_tiles_cover_every_row(kernels, kind, group, zero_point):
         pytest.skip("no AVX-512: prompts take the widened GEMM")
     assert layer.kernel_weight().prompt_tiles()
     x = torch.randn(300, 2048)
-    if layer.kernel_weight().bf16_prompt_tiles():
-        # bfloat16 on an AVX512-BF16 CPU: calls of 33+ rows multiply bfloat16-rounded rows (exact
-        # products) in the kernel's bfloat16 tiles; rows that are bfloat16 already lose nothing.
-        x = x.bfloat16().float()
     with torch.inference_mode():
         expected = F.linear(x, layer.dequantize(), layer.bias)
         for rows in (16, 129, 300):
@@ -168,6 +161,32 @@ def test_bfloat16_gemm_path_matches(kernels):
     with torch.inference_mode():
         expected = F.linear(x, layer.dequantize(), layer.bias)
         assert torch.allclose(layer(x), expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("out_features,in_features,bias", [(88, 2048, True), (100, 97, False), (16, 64, True)])
+def test_bfloat16_prompt_tiles_multiply_rounded_rows_exactly(kernels, out_features, in_features, bias):
+    """On CPUs with AVX512-BF16, bfloat16 prompts (33+ rows) round their rows to bfloat16 and
+    multiply in vdpbf16ps tiles straight from the stored blocks: each product exact, so the result
+    is F.linear on the rounded rows up to float32 summation, for any row count (partial tiles),
+    an odd number of inputs (the last one paired with zero) and a lone or partial last block. 32
+    rows and fewer keep float32 activations, and a weight not allowed bfloat16 activations never
+    takes the tiles."""
+    torch.manual_seed(in_features)
+    layer = WeightOnlyLinear.from_linear(torch.nn.Linear(in_features, out_features, bias=bias), "bfloat16")
+    layer.enable_kernels(kernels)
+    assert not layer.kernel_weight().bf16_prompt_tiles()  # not allowed: float32 activations
+    layer.enable_kernels(kernels, bf16_gemm=True)
+    if not layer.kernel_weight().bf16_prompt_tiles():
+        pytest.skip("the kernels were built without AVX512-BF16")
+    reference = layer.dequantize()
+    x = torch.randn(300, in_features)
+    with torch.inference_mode():
+        for rows in (33, 37, 300):
+            rounded = x[:rows].bfloat16().float()
+            expected = F.linear(rounded, reference, layer.bias)
+            assert torch.allclose(layer(x[:rows]), expected, rtol=1e-5, atol=1e-5), rows
+        # 32 rows: the float32 path, on the rows as they are.
+        assert torch.allclose(layer(x[:32]), F.linear(x[:32], reference, layer.bias), rtol=1e-4, atol=1e-4)
 
 
 def test_kernel_rejects_inconsistent_weights(kernels):

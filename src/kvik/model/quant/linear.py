@@ -87,11 +87,12 @@ class WeightOnlyLinear(nn.Module):
 
     def enable_kernels(self, kernels: Any, bf16_gemm: bool = False) -> None:
         """Run on kvik's compiled CPU kernels; with bf16_gemm, large batches multiply in bfloat16
-        (for CPUs with AVX512-BF16 / AMX). int8/int4 weights take int8-rounded activations where the
+        (for CPUs with AVX512-BF16 / AMX: the kernel's bfloat16 tiles where it has them, else a GEMM). int8/int4 weights take int8-rounded activations where the
         CPU has AVX512-VNNI unless `kernel_weight().allow_int8_activations` is set to False."""
         self._kernel = kernels.LinearWeight.weight_only(
             FORMAT_CODES[self.kind], self.data, self.scales, self.offsets, self.out_features,
             self.in_features, self.group_size, self.bias)
+        self._kernel.allow_bf16_activations = bf16_gemm
         self._bf16_gemm = bf16_gemm
 
     def kernel_weight(self) -> Any:

@@ -81,6 +81,9 @@ struct LinearWeight {
   // int8 / int4: may multiply int8-rounded activations where the CPU has AVX512-VNNI (the engine's
   // --activations; set_int8_activations(false) turns it off for every weight).
   bool allow_int8_activations = true;
+  // Prompts (33+ rows) on a bfloat16 weight may round their rows to bfloat16 and multiply in the
+  // AVX512-BF16 tiles (set where the CPU multiplies bfloat16 natively; off: float32 activations).
+  bool allow_bf16_activations = false;
   c10::optional<at::Tensor> bias;
 
   // y = x W^T + b for a float32 (rows, in_features) x. Weight-only formats dequantize in registers

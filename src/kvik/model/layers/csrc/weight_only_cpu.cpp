@@ -709,7 +709,7 @@ void block_int8_vnni(const int8_t* w, const float* row_scales, const c10::Half* 
 // which in a per-element loop cost more than the arithmetic).
 struct WeightView {
   int64_t format, in_features, group, groups;
-  bool allow_int8_activations;
+  bool allow_int8_activations, allow_bf16_activations;
   const void* data;
   const float* scales_f32;  // int8 per row
   const c10::Half* scales_f16;  // int4, int8 per group
@@ -718,7 +718,8 @@ struct WeightView {
   explicit WeightView(const kvik::LinearWeight& w)
       : format(w.format), in_features(w.in_features), group(w.group),
         groups(grouped(w) ? (w.in_features + w.group - 1) / w.group : 0),
-        allow_int8_activations(w.allow_int8_activations), data(w.data.data_ptr()),
+        allow_int8_activations(w.allow_int8_activations), allow_bf16_activations(w.allow_bf16_activations),
+        data(w.data.data_ptr()),
         scales_f32(w.format == kvik::kInt8 && !grouped(w) ? w.scales.data_ptr<float>() : nullptr),
         scales_f16(grouped(w) ? w.scales.data_ptr<c10::Half>() : nullptr),
         offsets(w.offsets.defined() ? w.offsets.data_ptr<c10::Half>() : nullptr) {}
@@ -1082,10 +1083,10 @@ bool float_tiles(const WeightView& v, int64_t rows) {
 // (decode batches) keep float32 activations.
 constexpr int64_t kBf16DotMinRows = 33;
 
-// Whether a prompt on this weight multiplies in bfloat16 (AVX512-BF16 builds).
+// Whether a prompt on this weight multiplies in bfloat16 (AVX512-BF16 builds, where it may).
 bool bf16_dot_tiles(const WeightView& v) {
 #if KVIK_BF16_DOT
-  return v.format == kvik::kBFloat16 && !portable_only.load(std::memory_order_relaxed);
+  return v.format == kvik::kBFloat16 && v.allow_bf16_activations && !portable_only.load(std::memory_order_relaxed);
 #else
   (void)v;
   return false;
