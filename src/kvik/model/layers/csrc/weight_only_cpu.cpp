@@ -841,15 +841,14 @@ void tiled_rows_avx512(const WeightView& v, const float* x, int64_t rows, int64_
 #endif
 
 #if KVIK_WEIGHT_ONLY_AVX2 && defined(__AVX512F__) && defined(__AVX512BF16__)
-// Prompts on bfloat16 weights where the CPU multiplies bfloat16 (AVX512-BF16): vdpbf16ps adds two
-// products per float32 lane, so a tile reads each pair of inputs of a block as one 64-byte operand,
-// row j's two weights side by side, against the pair of activations broadcast. The operands come
-// from the stored block itself, interleaved once per call into a buffer that stays in L2 (one byte
+// Prompts on bfloat16 weights where the CPU multiplies bfloat16 (AVX512-BF16), in tiles of kTileRows
+// rows by two blocks like the float32 tiles above: vdpbf16ps adds two products per float32 lane, so
+// a tile reads each pair of inputs of a block as one 64-byte operand, row j's two weights side by
+// side, against the pair of activations broadcast. The operands come
+// from the stored block itself, interleaved once per call into a buffer that stays in L2 (one word
 // permute per 64 bytes), not from a copy of the whole weight: the GEMM path this replaces copied
 // every weight into a (K, N) matrix on each call and oneDNN reordered it again, a cost per call that
 // a short prompt paid in full. The activations are rounded to bfloat16, as that path rounded them.
-constexpr int kBf16Tile = 12;
-
 struct PairIndex {
   alignas(64) uint16_t words[32];
   constexpr PairIndex() : words() {
@@ -894,8 +893,8 @@ constexpr std::array<Bf16TileKernel, sizeof...(I)> bf16dot_kernels(std::index_se
 
 void tiled_rows_bf16dot(const WeightView& v, const float* x, int64_t rows, int64_t out_features, const float* bias,
                         float* out) {
-  static constexpr auto kPairs = bf16dot_kernels<2>(std::make_index_sequence<kBf16Tile>{});
-  static constexpr auto kSingles = bf16dot_kernels<1>(std::make_index_sequence<kBf16Tile>{});
+  static constexpr auto kPairs = bf16dot_kernels<2>(std::make_index_sequence<kTileRows>{});
+  static constexpr auto kSingles = bf16dot_kernels<1>(std::make_index_sequence<kTileRows>{});
   const int64_t in_features = v.in_features, pairs = (in_features + 1) / 2;
   const int64_t blocks = (out_features + kBlock - 1) / kBlock, block_pairs = (blocks + 1) / 2;
   // The rows as bfloat16 pairs, an odd last input paired with zero.
@@ -924,8 +923,8 @@ void tiled_rows_bf16dot(const WeightView& v, const float* x, int64_t rows, int64
           _mm512_store_si512(ops.get() + p * nb + b, _mm512_permutexvar_epi16(index, raw));
         }
       }
-      for (int64_t r = 0; r < rows; r += kBf16Tile) {
-        const int64_t m = std::min<int64_t>(kBf16Tile, rows - r);
+      for (int64_t r = 0; r < rows; r += kTileRows) {
+        const int64_t m = std::min<int64_t>(kTileRows, rows - r);
         (nb == 2 ? kPairs : kSingles)[m - 1](ops.get(), xp.data() + r * pairs, pairs, pairs,
                                              bias ? bias + first : nullptr, count, out + r * out_features + first,
                                              out_features);
@@ -1190,7 +1189,7 @@ at::Tensor weight_only_linear(const at::Tensor& x, const LinearWeight& weight) {
   }
 #endif
 #if KVIK_BF16_DOT
-  if (rows > kBf16DotMinRows - 1 && bf16_dot_tiles(view)) {
+  if (rows >= kBf16DotMinRows && bf16_dot_tiles(view)) {
     tiled_rows_bf16dot(view, xp, rows, out_features, bias, op);
     return out;
   }
