@@ -165,12 +165,12 @@ def test_bfloat16_gemm_path_matches(kernels):
 
 @pytest.mark.parametrize("out_features,in_features,bias", [(88, 2048, True), (100, 97, False), (16, 64, True)])
 def test_bfloat16_prompt_tiles_multiply_rounded_rows_exactly(kernels, out_features, in_features, bias):
-    """On CPUs with AVX512-BF16, bfloat16 prompts (33+ rows) round their rows to bfloat16 and
-    multiply in vdpbf16ps tiles straight from the stored blocks: each product exact, so the result
-    is F.linear on the rounded rows up to float32 summation, for any row count (partial tiles),
-    an odd number of inputs (the last one paired with zero) and a lone or partial last block. 32
-    rows and fewer keep float32 activations, and a weight not allowed bfloat16 activations never
-    takes the tiles."""
+    """On CPUs with AVX512-BF16, bfloat16 batches of 12+ rows (prompts, and decode steps of a dozen
+    requests or more) round their rows to bfloat16 and multiply in vdpbf16ps tiles straight from
+    the stored blocks: each product exact, so the result is F.linear on the rounded rows up to
+    float32 summation, for any row count (partial tiles), an odd number of inputs (the last one
+    paired with zero) and a lone or partial last block. 11 rows and fewer keep float32
+    activations, and a weight not allowed bfloat16 activations never takes the tiles."""
     torch.manual_seed(in_features)
     layer = WeightOnlyLinear.from_linear(torch.nn.Linear(in_features, out_features, bias=bias), "bfloat16")
     layer.enable_kernels(kernels)
@@ -181,12 +181,12 @@ def test_bfloat16_prompt_tiles_multiply_rounded_rows_exactly(kernels, out_featur
     reference = layer.dequantize()
     x = torch.randn(300, in_features)
     with torch.inference_mode():
-        for rows in (33, 37, 300):
+        for rows in (12, 16, 33, 37, 300):
             rounded = x[:rows].bfloat16().float()
             expected = F.linear(rounded, reference, layer.bias)
             assert torch.allclose(layer(x[:rows]), expected, rtol=1e-5, atol=1e-5), rows
-        # 32 rows: the float32 path, on the rows as they are.
-        assert torch.allclose(layer(x[:32]), F.linear(x[:32], reference, layer.bias), rtol=1e-4, atol=1e-4)
+        # 11 rows: the float32 path, on the rows as they are.
+        assert torch.allclose(layer(x[:11]), F.linear(x[:11], reference, layer.bias), rtol=1e-4, atol=1e-4)
 
 
 def test_kernel_rejects_inconsistent_weights(kernels):

@@ -117,7 +117,9 @@ def test_engine_args_validate_quantization_and_kv_dtype():
 
 PROMPTS = [[5, 9, 13, 2, 7], [100, 3, 3, 41, 8, 9, 10, 11, 12, 13, 14], [7] * 23, [1, 2, 3, 4, 5, 6, 7, 8, 9]]
 CASES = [  # (engine arguments, the arch)
-    ({"dtype": "bfloat16"}, "llama"),
+    # float32 inputs: on AVX512-BF16 CPUs batches of 12+ rows otherwise round theirs to bfloat16
+    # (tested against its own reference in test_quant_kernels.py and by the next test).
+    ({"dtype": "bfloat16", "activations": "float32"}, "llama"),
     ({"quantization": "int8"}, "llama"),
     ({"quantization": "int4", "quantization_group_size": 32}, "llama"),
     ({"quantization": "int4", "quantization_zero_point": True, "kv_cache_dtype": "int8"}, "qwen2"),
@@ -198,3 +200,30 @@ def test_activations_argument_chooses_int8_or_float32_inputs(model_dir_factory):
         assert counts["auto"] == counts["int8"] == 9  # 2 layers x 4 linears + the LM head
     else:
         assert counts["auto"] == counts["int8"] == 0
+
+
+def test_activations_argument_chooses_bfloat16_or_float32_inputs(model_dir_factory):
+    """--dtype bfloat16 on a CPU with AVX512-BF16: auto rounds the inputs of batches of 12+ rows to
+    bfloat16 (the kernel's tiles), float32 keeps every input float32, and the precision line says
+    which; the two differ only by that rounding (a prompt of 40 tokens: same greedy tokens here,
+    logprobs within the rounding's reach). Elsewhere both run float32."""
+    path = str(model_dir_factory("llama"))
+    prompt = [(7 * i + 3) % 200 for i in range(40)]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
+    counts, outputs = {}, {}
+    for activations in ("auto", "float32"):
+        llm = LLM(path, show_progress=False, dtype="bfloat16", activations=activations)
+        core = llm.engine.core
+        if core.cpu_kernels is None:
+            pytest.skip("no C++ toolchain")
+        counts[activations] = core.transforms.bf16_activation_linears
+        assert ("bfloat16 into the bfloat16 linear layers" in llm.engine.info.precision) == (counts[activations] > 0)
+        outputs[activations] = llm.generate([prompt], params)[0].outputs[0]
+    assert counts["float32"] == 0
+    with open("/proc/cpuinfo") as cpuinfo:
+        flags = next((line for line in cpuinfo if line.startswith("flags")), "").split()
+    tiles = "avx512_bf16" in flags and "avx-512" in core.cpu_kernels.simd_isa()
+    assert counts["auto"] == (9 if tiles else 0)  # 2 layers x 4 linears + the LM head
+    assert outputs["auto"].token_ids == outputs["float32"].token_ids
+    for auto, exact, token in zip(outputs["auto"].logprobs, outputs["float32"].logprobs, outputs["auto"].token_ids):
+        assert abs(auto[token].logprob - exact[token].logprob) < 0.05

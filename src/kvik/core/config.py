@@ -244,7 +244,9 @@ class EngineArgs:
                            help="inputs of int8/int4 linear layers on CPUs with AVX512-VNNI: int8 (rounded "
                                 "per 32 inputs, integer dot products, as llama.cpp; faster) or float32 "
                                 "(default: auto: int8 with --quantization, float32 for a pre-quantized "
-                                "checkpoint's int4 layers served as they are). Other CPUs: float32")
+                                "checkpoint's int4 layers served as they are). Other CPUs: float32. "
+                                "--dtype bfloat16 on CPUs with AVX512-BF16: auto/int8 round the inputs of "
+                                "batches of 12+ rows to bfloat16, float32 keeps them float32")
         group.add_argument("--seed", type=int, default=0, help="seed for requests without their own")
         group.add_argument("--max-model-len", type=int, default=None,
                            help="context length (default: the model's max_position_embeddings)")

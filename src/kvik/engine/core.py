@@ -103,11 +103,13 @@ class EngineCore:
         # Quantization, oneDNN packing and the compiled CPU kernels, as module swaps.
         self.transforms = optimize_for_inference(
             self.model, self.device, self.dtype, weights=self.precision.weights,
-            int8_activations=int8_activations(args.activations, args.quantization))
+            int8_activations=int8_activations(args.activations, args.quantization),
+            bf16_gemm=False if args.activations == "float32" else None)
         self.cpu_kernels = self.transforms.kernels
         self.weight_bytes = self.transforms.weight_bytes
-        if self.transforms.int8_activation_linears:
-            self.precision = dataclasses.replace(self.precision, int8_activations=True)
+        self.precision = dataclasses.replace(
+            self.precision, int8_activations=self.transforms.int8_activation_linears > 0,
+            bf16_activations=self.transforms.bf16_activation_linears > 0)
         logger.info("precision: %s (%.1f MiB of weights)", self.precision.describe(), self.weight_bytes / 2**20)
         # Multi-LoRA serving: the target linears become LoRA-aware wrappers of whatever the passes
         # left (float32, oneDNN-packed or quantized), with --max-loras slots of adapter weights.

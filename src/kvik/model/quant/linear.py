@@ -3,10 +3,12 @@
 On the CPU with the compiled kernels, batches of up to `SMALL_BATCH_ROWS` rows run a kernel that
 widens the weights in registers and streams each block once per four rows (decoding: the bytes per
 token shrink with the format). Larger batches (prefill) are bound by arithmetic, not bytes: the
-weight is widened into a float32 matrix once per call and multiplied by the BLAS GEMM, or, on CPUs
-with bfloat16 arithmetic, bfloat16 weights multiply bfloat16-rounded rows in the kernel's AVX512-BF16
-tiles, straight from the stored blocks (oneDNN's bfloat16 GEMM on a per-call copy where the kernel
-was built without them: the copy made short prompts 1.5-2.3x slower). On CPUs with AVX512-VNNI, int8 and int4 weights
+weight is widened into a float32 matrix once per call and multiplied by the BLAS GEMM. On CPUs
+with bfloat16 arithmetic, bfloat16 weights instead multiply bfloat16-rounded rows in the kernel's
+AVX512-BF16 tiles, straight from the stored blocks, from 12 rows on (decode steps of a dozen
+requests or more included: csrc/weight_only_cpu.cpp kBf16DotMinRows); where the kernel was built
+without them, batches past `SMALL_BATCH_ROWS` go to oneDNN's bfloat16 GEMM on a per-call copy (the
+copy made short prompts 1.5-2.3x slower). On CPUs with AVX512-VNNI, int8 and int4 weights
 instead multiply activations rounded to int8 in integer arithmetic, at every batch size (faster than
 both paths above, for decode and prefill alike), unless the weight's `allow_int8_activations` (the
 engine's `--activations`) or `kernels.set_int8_activations(False)` turns it off. Without the kernels (CUDA, or no compiler) the weight is dequantized with PyTorch ops on every

@@ -81,6 +81,9 @@ class Precision:
     # Set after the inference passes when int8/int4 layers multiply int8-rounded activations
     # (AVX512-VNNI CPUs; kvik.model.quant.linear).
     int8_activations: bool = False
+    # Likewise when bfloat16 layers multiply batches of 12+ rows on bfloat16-rounded inputs
+    # (AVX512-BF16 CPUs, unless --activations float32).
+    bf16_activations: bool = False
 
     def describe(self) -> str:
         weights = self.weights.describe() if self.weights else str(self.compute_dtype).removeprefix("torch.")
@@ -89,6 +92,8 @@ class Precision:
         activations = str(self.compute_dtype).removeprefix("torch.")
         if self.int8_activations:
             activations += " (int8 per 32 inputs into the int8/int4 linear layers)"
+        if self.bf16_activations:
+            activations += " (bfloat16 into the bfloat16 linear layers for batches of 12+ rows)"
         return f"weights {weights}, activations {activations}, KV cache {str(self.kv_cache_dtype).removeprefix('torch.')}"
 
 
@@ -128,8 +133,8 @@ def resolve_precision(device: torch.device, dtype: torch.dtype, *, quantization:
     On the CPU, activations stay float32 and narrower formats apply to the linear weights only: the
     bytes streamed per token are what bounds decoding, and every CPU can widen bfloat16, int8 and
     int4 to float32 in registers. `--dtype bfloat16` therefore stores bfloat16 weights on any CPU;
-    where the CPU has native bfloat16 arithmetic, prefill GEMMs also run in bfloat16 (oneDNN), and
-    elsewhere in float32 (logged). On CUDA the model computes in `dtype` and quantized weights are
+    where the CPU has native bfloat16 arithmetic, batches of 12+ rows also multiply in bfloat16
+    (the kernel's AVX512-BF16 tiles, or oneDNN's GEMM), and elsewhere in float32 (logged). On CUDA the model computes in `dtype` and quantized weights are
     dequantized by plain PyTorch ops. The KV cache follows `dtype` unless `kv_cache_dtype` says
     otherwise."""
     if quantization is not None and quantization not in QUANTIZATION_METHODS:
@@ -145,8 +150,10 @@ def resolve_precision(device: torch.device, dtype: torch.dtype, *, quantization:
         native = cpu_has_native_bf16()
         weights = weights or QuantScheme("bfloat16")
         if native:
-            logger.info("bfloat16 on the CPU: weights in bfloat16, prefill GEMMs in bfloat16 "
-                        "(the CPU has AVX512-BF16/AMX), activations and decode arithmetic in float32")
+            logger.info("bfloat16 on the CPU: weights in bfloat16; batches of 12+ rows (prompts, decode "
+                        "steps of 12+ requests) multiply bfloat16-rounded inputs in bfloat16 (the CPU has "
+                        "AVX512-BF16/AMX) unless --activations float32; other activations and smaller "
+                        "decode steps in float32")
         else:
             logger.info("bfloat16 on the CPU: this CPU has no bfloat16 arithmetic (no avx512_bf16 or "
                         "amx_bf16 in /proc/cpuinfo), so weights are stored in bfloat16 and widened to "

@@ -56,6 +56,7 @@ class TransformReport:
     linear_weight_bytes: int = 0  # what one decode step streams: all linear layers' weights
     linear_weights: int = 0  # elements of those weights (in x out each); bytes per weight = the ratio
     int8_activation_linears: int = 0  # int8/int4 linears multiplying int8-rounded activations (VNNI)
+    bf16_activation_linears: int = 0  # bfloat16 linears multiplying batches of 12+ rows in bfloat16
     huge_page_bytes: int = 0  # weights copied into memory advised for transparent huge pages (CPU)
     weight_prefetch: PrefetchChoice | None = None  # the weight-only kernels' prefetch distance (CPU)
     notes: list[str] = field(default_factory=list)
@@ -76,8 +77,9 @@ def optimize_for_inference(model: nn.Module, device: torch.device, dtype: torch.
     """Apply kvik's inference passes to a loaded `model` on `device` computing in `dtype`, before the
     KV cache exists. `weights`: narrow storage for the linear layers (None keeps `dtype`).
     `kernels`: the compiled CPU kernel module, None for plain PyTorch, or "auto" (compiled on CPU
-    float32 unless KVIK_CPU_KERNELS=0). `bf16_gemm`: prefill GEMMs of bfloat16 weights in bfloat16
-    (default: where the CPU has bfloat16 arithmetic). `int8_activations`: int8 and int4 layers may
+    float32 unless KVIK_CPU_KERNELS=0). `bf16_gemm`: bfloat16 weights multiply batches of 12+ rows
+    (prompts, busy decode steps) on bfloat16-rounded inputs (default: where the CPU has bfloat16
+    arithmetic; False keeps them on float32 inputs). `int8_activations`: int8 and int4 layers may
     take activations rounded to int8 (AVX512-VNNI CPUs; kvik.model.quant.linear)."""
     name = str(dtype).removeprefix("torch.")
     report = TransformReport(str(device), name, weights.describe() if weights else name)
@@ -114,6 +116,9 @@ def optimize_for_inference(model: nn.Module, device: torch.device, dtype: torch.
     report.int8_activation_linears = sum(
         1 for m in model.modules()
         if isinstance(m, WeightOnlyLinear) and m.kernel_weight() is not None and m.kernel_weight().int8_activations())
+    report.bf16_activation_linears = sum(
+        1 for m in model.modules()
+        if isinstance(m, WeightOnlyLinear) and m.kernel_weight() is not None and m.kernel_weight().bf16_prompt_tiles())
     if device.type == "cpu" and os.environ.get("KVIK_HUGE_PAGES", "1") != "0":
         # Last: every pass above may have replaced weights (packing, quantization).
         report.huge_page_bytes = move_to_huge_pages(model)
