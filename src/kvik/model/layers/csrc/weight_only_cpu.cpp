@@ -1063,13 +1063,16 @@ void run_block_int8_dot(const WeightView& v, int64_t block, const QuantizedRows&
 #endif
 
 // Whether `rows` rows of x on this weight run in the register tiles (AVX-512, float32 activations);
-// rows = 0 asks whether a prompt would. Below kTileMinRows the passes of four rows, widening in
+// rows = 0 asks whether a prompt would. Below the minimum the passes of four rows, widening in
 // registers, were as fast or faster (5-12 rows: 10-30 % on bfloat16): the tiles first write a float32
-// copy of each pair of blocks.
+// copy of each pair of blocks. int4 pays more per widening (nibbles, scales, offsets), which the passes
+// do once per four rows and the tiles once per call: on the reference model's 48 linears (2 threads,
+// an AVX-512 EPYC) the tiles took 0.88-0.90 of the passes' time at 9-11 rows and 0.78-0.83 at 12-15
+// (8 rows: equal). Steps of 9-15 decodes on a pre-quantized int4 checkpoint served as it is run so.
 bool float_tiles(const WeightView& v, int64_t rows) {
 #if KVIK_WEIGHT_ONLY_AVX2 && defined(__AVX512F__)
-  constexpr int64_t kTileMinRows = 16;
-  return (rows == 0 || rows >= kTileMinRows) && !portable_only.load(std::memory_order_relaxed) && !int8_dot(v);
+  const int64_t min_rows = v.format == kvik::kInt4 ? 9 : 16;
+  return (rows == 0 || rows >= min_rows) && !portable_only.load(std::memory_order_relaxed) && !int8_dot(v);
 #else
   (void)v;
   (void)rows;
