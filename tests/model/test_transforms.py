@@ -13,7 +13,7 @@ from kvik.model.layers.attention import PagedAttention
 from kvik.model.layers.kv_cache import PagedKVCache
 from kvik.model.layers.norm import RMSNorm
 from kvik.model.loader import load_model, load_model_config
-from kvik.model.quant import QuantScheme, WeightOnlyLinear
+from kvik.model.quant import QuantScheme, WeightOnlyLinear, cpu_has_native_bf16
 from kvik.model.transforms import bind_kv_cache, optimize_for_inference
 from kvik.model.transforms.cpu_modules import CpuPagedAttention, FusedLlamaAttention, FusedRMSNorm
 from kvik.model.transforms.decode_stack import DecodeStackModel
@@ -220,9 +220,9 @@ def test_activations_argument_chooses_bfloat16_or_float32_inputs(model_dir_facto
         assert ("bfloat16 into the bfloat16 linear layers" in llm.engine.info.precision) == (counts[activations] > 0)
         outputs[activations] = llm.generate([prompt], params)[0].outputs[0]
     assert counts["float32"] == 0
-    with open("/proc/cpuinfo") as cpuinfo:
-        flags = next((line for line in cpuinfo if line.startswith("flags")), "").split()
-    tiles = "avx512_bf16" in flags and "avx-512" in core.cpu_kernels.simd_isa()
+    probe = WeightOnlyLinear.from_linear(torch.nn.Linear(64, 16), "bfloat16")
+    probe.enable_kernels(core.cpu_kernels, bf16_gemm=True)  # as the engine does where the CPU has bfloat16
+    tiles = cpu_has_native_bf16() and probe.kernel_weight().bf16_prompt_tiles()
     assert counts["auto"] == (9 if tiles else 0)  # 2 layers x 4 linears + the LM head
     assert outputs["auto"].token_ids == outputs["float32"].token_ids
     for auto, exact, token in zip(outputs["auto"].logprobs, outputs["float32"].logprobs, outputs["auto"].token_ids):

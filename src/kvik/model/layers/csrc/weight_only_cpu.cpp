@@ -1086,7 +1086,9 @@ bool float_tiles(const WeightView& v, int64_t rows) {
 // matched the passes of four at 12 rows (9.5-9.8 against 9.9 ms), were 3-6 % faster at 13-15 and
 // took 0.85 / 0.80 / 0.72 of the passes' time at 16 / 20 / 32 rows, where the float32 tiles that
 // ran those rows before took 1.6 / 1.3 / 1.2x the passes' time. It was 33 (prompts only) before.
-constexpr int64_t kBf16DotMinRows = 12;  // kTileRows (defined only in AVX-512 builds)
+#if KVIK_BF16_DOT
+constexpr int64_t kBf16DotMinRows = kTileRows;
+#endif
 
 // Whether a prompt on this weight multiplies in bfloat16 (AVX512-BF16 builds, where it may).
 bool bf16_dot_tiles(const WeightView& v) {
