@@ -208,11 +208,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("int8_activations", &kvik::uses_int8_activations,
            "whether this weight multiplies int8-rounded activations (AVX512-VNNI)")
       .def("bf16_prompt_tiles", &kvik::uses_bf16_prompt_tiles,
-           "whether prompts (33+ rows) on this bfloat16 weight multiply in bfloat16 tiles (AVX512-BF16, allowed)")
+           "whether batches of 12+ rows on this bfloat16 weight multiply in bfloat16 tiles (AVX512-BF16, allowed)")
       .def("prompt_tiles", &kvik::uses_prompt_tiles,
            "whether prompts (16+ rows) on this weight run in the kernel's AVX-512 tiles, not a GEMM")
       .def_readwrite("allow_bf16_activations", &kvik::LinearWeight::allow_bf16_activations,
-                     "may prompts (33+ rows) on this bfloat16 weight round their rows to bfloat16 for the "
+                     "may batches of 12+ rows on this bfloat16 weight round their rows to bfloat16 for the "
                      "AVX512-BF16 tiles (default false)")
       .def_readwrite("allow_int8_activations", &kvik::LinearWeight::allow_int8_activations,
                      "may this weight use int8 activations (where the CPU can; default true)")

@@ -81,7 +81,7 @@ struct LinearWeight {
   // int8 / int4: may multiply int8-rounded activations where the CPU has AVX512-VNNI (the engine's
   // --activations; set_int8_activations(false) turns it off for every weight).
   bool allow_int8_activations = true;
-  // Prompts (33+ rows) on a bfloat16 weight may round their rows to bfloat16 and multiply in the
+  // Batches of 12+ rows on a bfloat16 weight may round their rows to bfloat16 and multiply in the
   // AVX512-BF16 tiles (set where the CPU multiplies bfloat16 natively; off: float32 activations).
   bool allow_bf16_activations = false;
   c10::optional<at::Tensor> bias;
@@ -113,7 +113,7 @@ bool uses_int8_activations(const LinearWeight& weight);
 // Whether prompts (16+ rows) on this weight run in kvik's kernel rather than a GEMM on the widened
 // matrix: float32 activations on AVX-512 (register tiles of up to 12 rows by 32 outputs).
 bool uses_prompt_tiles(const LinearWeight& weight);
-// Whether prompts (more than 32 rows) on this bfloat16 weight multiply in bfloat16 (AVX512-BF16).
+// Whether batches of 12+ rows on this bfloat16 weight multiply in bfloat16 (AVX512-BF16).
 bool uses_bf16_prompt_tiles(const LinearWeight& weight);
 
 }  // namespace kvik

@@ -1090,7 +1090,7 @@ bool float_tiles(const WeightView& v, int64_t rows) {
 constexpr int64_t kBf16DotMinRows = kTileRows;
 #endif
 
-// Whether a prompt on this weight multiplies in bfloat16 (AVX512-BF16 builds, where it may).
+// Whether batches of kBf16DotMinRows+ rows on this weight multiply in bfloat16 (AVX512-BF16 builds, where it may).
 bool bf16_dot_tiles(const WeightView& v) {
 #if KVIK_BF16_DOT
   return v.format == kvik::kBFloat16 && v.allow_bf16_activations && !portable_only.load(std::memory_order_relaxed);
