@@ -223,6 +223,9 @@ class _LingeringTransport:
     def __init__(self, transport: asyncio.Transport, protocol: Any) -> None:
         self._transport = transport
         self._protocol = protocol
+        # Bound once: a streamed response writes once per token, and __getattr__ (a failed
+        # lookup first) cost more than the call it forwards.
+        self.write = transport.write
 
     def close(self) -> None:
         self._protocol.close_transport(self._transport)
