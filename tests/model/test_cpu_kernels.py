@@ -60,6 +60,35 @@ def test_decode_kernel_matches_sdpa(kernels, attention_path, heads, kv_heads, bl
     assert torch.allclose(out, expected, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("lengths", [[300], [1], [17, 2, 260]], ids=["long", "one-token", "three"])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 1)])
+def test_decode_kernel_splits_pairs_that_do_not_divide_among_threads(kernels, attention_path, threads, lengths,
+                                                                      heads, kv_heads):
+    """One sequence of a model with 3 KV heads on 2 threads (or 1 on 2, 3 on 3...): the AVX-512 pass
+    cuts each (sequence, KV head) pair's blocks into ranges and merges their partial softmax sums.
+    Ranges with no blocks (a one-token sequence cut in three) are part of the merge."""
+    generator = torch.Generator().manual_seed(len(lengths) + heads)
+    block_size, dim = 16, 64
+    lengths = torch.tensor(lengths)
+    batch, width = len(lengths), int((lengths.max() + block_size - 1) // block_size)
+    num_blocks = batch * width + 3
+    key_cache = torch.randn(kv_heads, num_blocks, block_size, dim, generator=generator)
+    key_cache += torch.linspace(0, 3, num_blocks)[None, :, None, None]
+    value_cache = torch.randn(kv_heads, num_blocks, block_size, dim, generator=generator)
+    tables = torch.randperm(num_blocks, generator=generator)[:batch * width].view(batch, width)
+    query = torch.randn(batch, heads, dim, generator=generator)
+    out = torch.empty_like(query)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        kernels.decode_attention(query, key_cache, value_cache, tables, lengths, dim**-0.5, out)
+    finally:
+        torch.set_num_threads(previous)
+    expected = _sdpa_reference(query, key_cache, value_cache, tables, lengths, dim**-0.5)
+    assert torch.allclose(out, expected, atol=1e-5, rtol=1e-4)
+
+
 def test_decode_kernel_refuses_a_block_id_out_of_range(kernels, attention_path):
     key_cache = torch.randn(2, 8, 16, 64)
     tables = torch.tensor([[0, 3, 8]])  # 8 is past the pool

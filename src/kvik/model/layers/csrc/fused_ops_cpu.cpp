@@ -138,30 +138,36 @@ void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& w
   });
 }
 
+void rotary_rows(float* base, int64_t begin, int64_t end, int64_t heads, int64_t dim, int64_t row_stride,
+                 int64_t head_stride, const float* cos, const float* sin) {
+  const int64_t half = dim / 2;
+  for (int64_t t = begin; t < end; ++t) {
+    const float* c = cos + t * dim;
+    const float* s = sin + t * dim;
+    for (int64_t h = 0; h < heads; ++h) {
+      float* x = base + t * row_stride + h * head_stride;
+#pragma omp simd
+      for (int64_t i = 0; i < half; ++i) {
+        const float x1 = x[i], x2 = x[i + half];
+        x[i] = x1 * c[i] - x2 * s[i];
+        x[i + half] = x2 * c[i + half] + x1 * s[i + half];
+      }
+    }
+  }
+}
+
 // qk: (T, heads, D) view whose last dimension is contiguous and whose heads are `head_stride`
 // apart, with rows `row_stride` apart (q and k heads side by side in the qkv projection output).
 // cos, sin: (T, D) contiguous, the two halves of each row equal.
 void rotary_inplace(at::Tensor& qk, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(qk.stride(-1) == 1 && cos.is_contiguous() && sin.is_contiguous(), "layout");
-  const int64_t tokens = qk.size(0), heads = qk.size(1), dim = qk.size(2), half = dim / 2;
+  const int64_t tokens = qk.size(0), heads = qk.size(1), dim = qk.size(2);
   const int64_t row_stride = qk.stride(0), head_stride = qk.stride(1);
   float* base = qk.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   at::parallel_for(0, tokens, kGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* c = cp + t * dim;
-      const float* s = sp + t * dim;
-      for (int64_t h = 0; h < heads; ++h) {
-        float* x = base + t * row_stride + h * head_stride;
-#pragma omp simd
-        for (int64_t i = 0; i < half; ++i) {
-          const float x1 = x[i], x2 = x[i + half];
-          x[i] = x1 * c[i] - x2 * s[i];
-          x[i + half] = x2 * c[i + half] + x1 * s[i + half];
-        }
-      }
-    }
+    rotary_rows(base, begin, end, heads, dim, row_stride, head_stride, cp, sp);
   });
 }
 

@@ -16,6 +16,10 @@ namespace kvik {
 void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps);
 void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
 void rotary_inplace(at::Tensor& qk, const at::Tensor& cos, const at::Tensor& sin);
+// rotary_inplace's arithmetic on raw rows [begin, end) of `heads` heads of `dim` floats each, without
+// tensor views (the decode stack calls it on the qkv projection's output directly).
+void rotary_rows(float* base, int64_t begin, int64_t end, int64_t heads, int64_t dim, int64_t row_stride,
+                 int64_t head_stride, const float* cos, const float* sin);
 void silu_and_mul(at::Tensor& out, const at::Tensor& gate_up);
 // (rows,) int64: what values.argmax(dim=-1) returns for a contiguous float32 (rows, n) tensor.
 at::Tensor argmax_rows(const at::Tensor& values);
@@ -34,6 +38,13 @@ void set_plain_attention(bool plain);
 // slots, converting to the cache's dtype (int8: symmetric per token and head, scale = amax / 127).
 void write_kv(const at::Tensor& source, at::Tensor& cache, const c10::optional<at::Tensor>& scales,
               const at::Tensor& slots);
+// write_kv on raw pointers (the decode stack's path, no tensor views per layer): `tokens` rows of
+// kv_heads heads from src (token_stride, head_stride apart, dim floats each) into a (kv_heads,
+// head_slots, dim) cache of `dtype`, at slots[t]; scale_out: the int8 cache's (kv_heads, head_slots)
+// scales, else null. Checks each slot.
+void write_kv_rows(const float* src, int64_t tokens, int64_t token_stride, int64_t head_stride, void* cache,
+                   at::ScalarType dtype, int64_t kv_heads, int64_t head_slots, int64_t dim, c10::Half* scale_out,
+                   const int64_t* slots);
 
 // prefill_attention_cpu.cpp: causal attention of a prompt chunk's n query tokens (n, H, D) over
 // L >= n keys and values (L, Hkv, D) (L - n of context, then the chunk's own) into out (n, H, D);

@@ -11,8 +11,10 @@
 //   out          (B, H, D) float32
 // Work is split over (sequence, kv head) pairs; each pair handles its G = H / Hkv query heads, so a
 // key or value row is loaded once for the whole group (GQA). The plain loops: scores first, then
-// max, exponentials and the weighted sum of values. With AVX-512 (attend_avx512), one pass over the
-// blocks with the softmax kept online (running peak and total), the same result to float rounding.
+// max, exponentials and the weighted sum of values. With AVX-512 (attend_range_avx512), one pass over
+// the blocks with the softmax kept online (running peak and total), the same result to float
+// rounding; when the pairs do not divide evenly among the threads, each pair's blocks in ranges
+// whose partial sums are merged (split-K, as flash-decoding does on GPUs).
 // Narrow caches are widened in registers; an int8 row's scale multiplies its dot product (keys) or
 // its softmax weight (values), once per row. A float8 byte is widened through a 256-entry table
 // (exact: every e4m3fn value is a float32 value).
@@ -28,6 +30,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -220,18 +223,18 @@ constexpr int64_t kMaxGroup = 64;
 // Blocks ahead whose keys and values are asked for while the current one is processed.
 constexpr int64_t kBlocksAhead = 2;
 
-// One (sequence, KV head) pair in a single pass over its blocks (softmax kept online: a running
-// peak and total per query head, the accumulators rescaled when the peak rises), so a block's keys
-// and values are read together and the next blocks' are on their way meanwhile. weights: group *
-// block_size floats of scratch; acc: group * dim; out: the group's (G, D) rows.
+// One (sequence, KV head) pair's blocks [first_block, last_block) in a single pass (softmax kept
+// online: a running peak and total per query head, the accumulators rescaled when the peak rises),
+// so a block's keys and values are read together and the next blocks' are on their way meanwhile.
+// weights: group * block_size floats of scratch; peak, total: group floats; acc: group * dim. Leaves
+// the range's unnormalised sum in acc (out = acc / total, or merged with the pair's other ranges).
 template <int V, typename T>
-void attend_avx512(const float* qg, int64_t group, const T* k_head, const T* v_head, const c10::Half* ks_head,
-                   const c10::Half* vs_head, const int64_t* table, int64_t num_blocks, int64_t len,
-                   int64_t block_size, float fscale, float* weights, float* acc, float* out) {
+void attend_range_avx512(const float* qg, int64_t group, const T* k_head, const T* v_head, const c10::Half* ks_head,
+                         const c10::Half* vs_head, const int64_t* table, int64_t num_blocks, int64_t len,
+                         int64_t block_size, int64_t first_block, int64_t last_block, float fscale,
+                         float* weights, float* peak, float* total, float* acc) {
   constexpr int64_t dim = 16 * V;
   const int64_t block_elems = block_size * dim, block_bytes = block_elems * static_cast<int64_t>(sizeof(T));
-  const int64_t used = (len + block_size - 1) / block_size;
-  float peak[kMaxGroup], total[kMaxGroup];
   std::fill(peak, peak + group, std::numeric_limits<float>::lowest());
   std::fill(total, total + group, 0.f);
   std::fill(acc, acc + group * dim, 0.f);
@@ -241,11 +244,11 @@ void attend_avx512(const float* qg, int64_t group, const T* k_head, const T* v_h
     prefetch_block(k_head + id * block_elems, block_bytes);
     prefetch_block(v_head + id * block_elems, block_bytes);
   };
-  for (int64_t blk = 0; blk < std::min(kBlocksAhead, used); ++blk) ask(blk);
-  for (int64_t blk = 0; blk < used; ++blk) {
+  for (int64_t blk = first_block; blk < std::min(first_block + kBlocksAhead, last_block); ++blk) ask(blk);
+  for (int64_t blk = first_block; blk < last_block; ++blk) {
     const int64_t id = table[blk];
     TORCH_CHECK(id >= 0 && id < num_blocks, "block id out of range");
-    if (blk + kBlocksAhead < used) ask(blk + kBlocksAhead);
+    if (blk + kBlocksAhead < last_block) ask(blk + kBlocksAhead);
     const int64_t count = std::min(block_size, len - blk * block_size);
     block_scores_avx512<V>(qg, group, k_head + id * block_elems, count, ks_head ? ks_head + id * block_size : nullptr,
                            fscale, weights, block_size);
@@ -275,10 +278,53 @@ void attend_avx512(const float* qg, int64_t group, const T* k_head, const T* v_h
     block_values_avx512<V>(weights, block_size, group, v_head + id * block_elems, count,
                            vs_head ? vs_head + id * block_size : nullptr, acc);
   }
+}
+
+using RangeKernel = void (*)(const float*, int64_t, const void*, const void*, const c10::Half*, const c10::Half*,
+                             const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, float, float*, float*,
+                             float*, float*);
+
+template <int V, typename T>
+void attend_range_erased(const float* qg, int64_t group, const void* k_head, const void* v_head,
+                         const c10::Half* ks_head, const c10::Half* vs_head, const int64_t* table, int64_t num_blocks,
+                         int64_t len, int64_t block_size, int64_t first_block, int64_t last_block, float fscale,
+                         float* weights, float* peak, float* total, float* acc) {
+  attend_range_avx512<V, T>(qg, group, static_cast<const T*>(k_head), static_cast<const T*>(v_head), ks_head,
+                            vs_head, table, num_blocks, len, block_size, first_block, last_block, fscale, weights,
+                            peak, total, acc);
+}
+
+template <typename T>
+RangeKernel range_kernel(int64_t vectors) {
+  switch (vectors) {
+    case 1: return attend_range_erased<1, T>;
+    case 2: return attend_range_erased<2, T>;
+    case 4: return attend_range_erased<4, T>;
+    default: return attend_range_erased<8, T>;
+  }
+}
+
+// out (G, D) = the ranges' sums merged: each range's accumulators and total rescaled to the largest
+// peak, then divided by the combined total. One range: out = acc / total.
+void merge_ranges(int64_t ranges, int64_t group, int64_t dim, const float* peaks, const float* totals,
+                  const float* accs, float* out) {
   for (int64_t g = 0; g < group; ++g) {
-    const __m512 inverse = _mm512_set1_ps(1.f / total[g]);
-    for (int c = 0; c < V; ++c)
-      _mm512_storeu_ps(out + g * dim + 16 * c, _mm512_mul_ps(inverse, _mm512_loadu_ps(acc + g * dim + 16 * c)));
+    float top = std::numeric_limits<float>::lowest();
+    for (int64_t r = 0; r < ranges; ++r) top = std::max(top, peaks[r * group + g]);
+    float total = 0.f;
+    float* o = out + g * dim;
+    std::fill(o, o + dim, 0.f);
+    for (int64_t r = 0; r < ranges; ++r) {
+      if (totals[r * group + g] == 0.f) continue;  // an empty range
+      const float factor = std::exp(peaks[r * group + g] - top);
+      total += factor * totals[r * group + g];
+      const float* a = accs + (r * group + g) * dim;
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) o[d] += factor * a[d];
+    }
+    const float inverse = 1.f / total;
+#pragma omp simd
+    for (int64_t d = 0; d < dim; ++d) o[d] *= inverse;
   }
 }
 #endif
@@ -317,6 +363,48 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& key_cache,
     vectors = dim / 16;
 #endif
 
+#if defined(__AVX512F__)
+  if constexpr (!kWidenRows) {
+    if (vectors) {
+      for (int64_t b = 0; b < batch; ++b)
+        TORCH_CHECK(lens[b] > 0 && (lens[b] + block_size - 1) / block_size <= max_blocks, "seq_lens out of range");
+      // Work is (sequence, KV head) pairs; when they do not divide evenly among the threads (one
+      // sequence of a model with 3 KV heads on 2 threads: one thread takes two, the step waits for
+      // it), each pair's blocks are cut into `ranges` ranges that do, merged afterwards.
+      const int64_t pairs = batch * kv_heads, threads = at::get_num_threads();
+      const int64_t ranges = threads > 1 && pairs % threads != 0 ? threads / std::gcd(pairs, threads) : 1;
+      const RangeKernel kernel = range_kernel<T>(vectors);
+      std::vector<float> partial(ranges > 1 ? pairs * ranges * group * (dim + 2) : 0);
+      float* const peaks = partial.data();
+      float* const totals = peaks + pairs * ranges * group;
+      float* const accs = totals + pairs * ranges * group;
+      at::parallel_for(0, pairs * ranges, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> weights(group * block_size), own(ranges > 1 ? 0 : group * (dim + 2));
+        for (int64_t item = begin; item < end; ++item) {
+          const int64_t pair = item / ranges, range = item % ranges;
+          const int64_t b = pair / kv_heads, kvh = pair % kv_heads, len = lens[b];
+          const int64_t used = (len + block_size - 1) / block_size;
+          float* peak = ranges > 1 ? peaks + item * group : own.data();
+          float* total = ranges > 1 ? totals + item * group : peak + group;
+          float* acc = ranges > 1 ? accs + item * group * dim : total + group;
+          kernel(q + (b * heads + kvh * group) * dim, group, kc + kvh * head_slots * dim, vc + kvh * head_slots * dim,
+                 key_scales ? key_scales + kvh * head_slots : nullptr,
+                 value_scales ? value_scales + kvh * head_slots : nullptr, tables + b * max_blocks, num_blocks, len,
+                 block_size, used * range / ranges, used * (range + 1) / ranges, fscale, weights.data(), peak, total,
+                 acc);
+          if (ranges == 1) merge_ranges(1, group, dim, peak, total, acc, o + (b * heads + kvh * group) * dim);
+        }
+      });
+      if (ranges > 1)
+        for (int64_t pair = 0; pair < pairs; ++pair) {
+          const int64_t b = pair / kv_heads, kvh = pair % kv_heads, first = pair * ranges;
+          merge_ranges(ranges, group, dim, peaks + first * group, totals + first * group, accs + first * group * dim,
+                       o + (b * heads + kvh * group) * dim);
+        }
+      return;
+    }
+  }
+#endif
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<float> acc(group * dim);
@@ -331,21 +419,6 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& key_cache,
       const c10::Half* ks_head = key_scales ? key_scales + kvh * head_slots : nullptr;
       const c10::Half* vs_head = value_scales ? value_scales + kvh * head_slots : nullptr;
       const int64_t* table = tables + b * max_blocks;
-#if defined(__AVX512F__)
-      if constexpr (!kWidenRows) {
-        if (vectors) {
-          float* og = o + (b * heads + kvh * group) * dim;
-          scores.resize(group * block_size);
-          switch (vectors) {
-            case 1: attend_avx512<1>(qg, group, k_head, v_head, ks_head, vs_head, table, num_blocks, len, block_size, fscale, scores.data(), acc.data(), og); break;
-            case 2: attend_avx512<2>(qg, group, k_head, v_head, ks_head, vs_head, table, num_blocks, len, block_size, fscale, scores.data(), acc.data(), og); break;
-            case 4: attend_avx512<4>(qg, group, k_head, v_head, ks_head, vs_head, table, num_blocks, len, block_size, fscale, scores.data(), acc.data(), og); break;
-            default: attend_avx512<8>(qg, group, k_head, v_head, ks_head, vs_head, table, num_blocks, len, block_size, fscale, scores.data(), acc.data(), og);
-          }
-          continue;
-        }
-      }
-#endif
       scores.assign(group * len, 0.f);
       const int64_t used_blocks = (len + block_size - 1) / block_size;
       // Pass 1: scores (G, len), block by block (a block of one head is contiguous in memory).
@@ -480,34 +553,39 @@ void write_kv(const at::Tensor& source, at::Tensor& cache, const c10::optional<a
               "cache must be a contiguous (kv_heads, blocks, block_size, head_dim) tensor");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == source.size(0),
               "one int64 slot per token");
-  const int64_t tokens = source.size(0), kv_heads = source.size(1), dim = source.size(2);
-  const int64_t head_slots = cache.size(1) * cache.size(2);
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  const float* src = source.data_ptr<float>();
   c10::Half* scale_out = scales_of(cache, scales, "scales") ? scales->data_ptr<c10::Half>() : nullptr;
+  write_kv_rows(source.data_ptr<float>(), source.size(0), source.stride(0), source.stride(1), cache.data_ptr(),
+                cache.scalar_type(), cache.size(0), cache.size(1) * cache.size(2), cache.size(3), scale_out,
+                slots.data_ptr<int64_t>());
+}
+
+void write_kv_rows(const float* src, int64_t tokens, int64_t token_stride, int64_t head_stride, void* cache,
+                   at::ScalarType dtype, int64_t kv_heads, int64_t head_slots, int64_t dim, c10::Half* scale_out,
+                   const int64_t* slot) {
   for (int64_t t = 0; t < tokens; ++t) {
     TORCH_CHECK(slot[t] >= 0 && slot[t] < head_slots, "cache slot out of range");
     for (int64_t h = 0; h < kv_heads; ++h) {
-      const float* row = src + t * source.stride(0) + h * source.stride(1);
+      const float* row = src + t * token_stride + h * head_stride;
       const int64_t at = h * head_slots + slot[t];
-      switch (cache.scalar_type()) {
+      switch (dtype) {
         case at::kFloat:
-          std::memcpy(cache.data_ptr<float>() + at * dim, row, dim * sizeof(float));
+          std::memcpy(static_cast<float*>(cache) + at * dim, row, dim * sizeof(float));
           break;
         case at::kBFloat16: {
-          c10::BFloat16* dst = cache.data_ptr<c10::BFloat16>() + at * dim;
+          c10::BFloat16* dst = static_cast<c10::BFloat16*>(cache) + at * dim;
           for (int64_t d = 0; d < dim; ++d) dst[d] = c10::BFloat16(row[d]);  // round to nearest even
           break;
         }
         case at::kChar: {
           // The same arithmetic as the PyTorch path (kvik.model.layers.kv_cache.quantize_kv):
           // scale = float16(amax / 127), values = round(x * (1 / scale)) clamped to [-127, 127].
+          TORCH_CHECK(scale_out != nullptr, "an int8 cache needs its scales");
           float amax = 0.f;
           for (int64_t d = 0; d < dim; ++d) amax = std::max(amax, std::fabs(row[d]));
           const c10::Half stored(amax * (1.f / 127.f));
           const float row_scale = static_cast<float>(stored);
           const float inverse = row_scale > 0.f ? 1.f / row_scale : 0.f;
-          int8_t* dst = cache.data_ptr<int8_t>() + at * dim;
+          int8_t* dst = static_cast<int8_t*>(cache) + at * dim;
           for (int64_t d = 0; d < dim; ++d) {
             const float v = std::nearbyint(row[d] * inverse);
             dst[d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, v)));
@@ -517,14 +595,13 @@ void write_kv(const at::Tensor& source, at::Tensor& cache, const c10::optional<a
         }
         case at::ScalarType::Float8_e4m3fn: {
           // Saturated to +-448, then c10's round-to-nearest-even conversion (PyTorch's own).
-          c10::Float8_e4m3fn* dst = cache.data_ptr<c10::Float8_e4m3fn>() + at * dim;
+          c10::Float8_e4m3fn* dst = static_cast<c10::Float8_e4m3fn*>(cache) + at * dim;
           for (int64_t d = 0; d < dim; ++d)
             dst[d] = c10::Float8_e4m3fn(std::min(kFloat8Max, std::max(-kFloat8Max, row[d])));
           break;
         }
         default:
-          TORCH_CHECK(false, "KV cache dtype must be float32, bfloat16, int8 or float8_e4m3fn, got ",
-                      cache.scalar_type());
+          TORCH_CHECK(false, "KV cache dtype must be float32, bfloat16, int8 or float8_e4m3fn, got ", dtype);
       }
     }
   }
