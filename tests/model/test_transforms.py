@@ -227,3 +227,48 @@ def test_activations_argument_chooses_bfloat16_or_float32_inputs(model_dir_facto
     assert outputs["auto"].token_ids == outputs["float32"].token_ids
     for auto, exact, token in zip(outputs["auto"].logprobs, outputs["float32"].logprobs, outputs["auto"].token_ids):
         assert abs(auto[token].logprob - exact[token].logprob) < 0.05
+
+
+@pytest.mark.parametrize("engine_args", [{"quantization": "int4", "kv_cache_dtype": "bfloat16"}, {}],
+                         ids=["int4", "float32"])
+def test_decode_team_computes_what_per_kernel_regions_do(model_dir_factory, engine_args):
+    """A decode step's kernels on the team held for the step (decode_team.h) and each in its own
+    OpenMP region: the same chunks, so the same tokens and the same logprobs, bit for bit; and an
+    error inside a step's kernels (a block id past the pool) comes back as an exception, after which
+    the team serves the next step."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)  # the tests' processes run one thread (conftest.py); a team needs two
+    try:
+        _check_decode_team(model_dir_factory, engine_args)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _check_decode_team(model_dir_factory, engine_args):
+    # No prefix caching: a second run of the prompt would prefill only its last token, and its
+    # first logprobs would differ in rounding for that reason alone.
+    llm = LLM(str(model_dir_factory("llama")), show_progress=False, block_size=4, enable_prefix_caching=False,
+              **engine_args)
+    kernels = llm.engine.core.cpu_kernels
+    if kernels is None:
+        pytest.skip("no C++ toolchain")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    runs = {}
+    try:
+        for team in (True, False):
+            kernels.set_decode_team(team)
+            runs[team] = llm.generate([PROMPTS[1]], params)[0].outputs[0]
+    finally:
+        kernels.set_decode_team(True)
+    assert runs[True].token_ids == runs[False].token_ids
+    assert runs[True].logprobs == runs[False].logprobs
+
+    body = llm.engine.core.model.model
+    assert isinstance(body, DecodeStackModel)
+    inner = body.inner
+    rotary, norm = inner.rotary[0], inner.norm
+    ids, positions, slots = torch.tensor([5]), torch.tensor([3]), torch.tensor([3])
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        body.decode_stack.forward_tokens(ids, positions, inner.embed_tokens.weight, rotary.cos, rotary.sin,
+                                         norm.weight, norm.eps, slots, torch.tensor([[10**9]]), torch.tensor([4]))
+    assert llm.generate([PROMPTS[1]], params)[0].outputs[0].token_ids == runs[True].token_ids

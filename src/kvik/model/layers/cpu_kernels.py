@@ -50,7 +50,7 @@ def _fingerprint(source: bytes) -> str:
 
 SOURCES = ("paged_attention_cpu.cpp", "prefill_attention_cpu.cpp", "fused_ops_cpu.cpp", "gemv_cpu.cpp", "weight_only_cpu.cpp",
            "read_bandwidth_cpu.cpp", "decode_stack_cpu.cpp")
-HEADERS = ("kernels.h",)
+HEADERS = ("kernels.h", "decode_team.h")
 # -ffast-math lets GCC vectorise expf through glibc's vector math library; the kernels never rely on
 # infinities or NaNs (softmax subtracts the row maximum first).
 

@@ -15,15 +15,25 @@
 // GEMV -> silu(gate) * up -> down GEMV.
 #include <torch/extension.h>
 
+#include <omp.h>
+
+#include <atomic>
 #include <cstring>
+#include <exception>
 #include <memory>
+#include <thread>
+#include <tuple>
 #include <vector>
 
+#include "decode_team.h"
 #include "kernels.h"
 
 namespace {
 
 using WeightPtr = std::shared_ptr<kvik::LinearWeight>;
+
+// set_decode_team(false): every kernel of a step opens its own OpenMP region (tests, A/B timing).
+std::atomic<bool> use_team{true};
 
 struct Layer {
   torch::Tensor input_norm, post_norm;
@@ -77,56 +87,42 @@ class DecodeStack {
                                                    const torch::Tensor& sin, const torch::Tensor& slots,
                                                    const torch::Tensor& block_tables,
                                                    const torch::Tensor& seq_lens) const {
-    TORCH_CHECK(embeddings.dim() == 2 && embeddings.is_contiguous(), "embeddings must be (T, hidden)");
-    TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.is_contiguous(), "slots must be int64");
-    const int64_t tokens = embeddings.size(0);
-    const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_, head_slots = head_slots_;
-    torch::Tensor residual = embeddings.clone();
-    torch::Tensor x = torch::empty_like(embeddings);
-    torch::Tensor attended = torch::empty({tokens, heads_, head_dim_}, embeddings.options());
-    torch::Tensor activated = torch::empty({tokens, intermediate_}, embeddings.options());
-    torch::Tensor query = torch::empty({tokens, heads_, head_dim_}, embeddings.options());
-    TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 && cos.size(0) == tokens &&
-                    cos.size(1) == head_dim_ && sin.sizes() == cos.sizes() && cos.scalar_type() == torch::kFloat &&
-                    sin.scalar_type() == torch::kFloat,
-                "cos and sin must be contiguous float32 (T, head_dim)");
-    TORCH_CHECK(slots.numel() == tokens, "one slot per token");
-    const int64_t row_width = q_size + 2 * kv_size;
-    const float* cos_rows = cos.data_ptr<float>();
-    const float* sin_rows = sin.data_ptr<float>();
-    const int64_t* slot_ids = slots.data_ptr<int64_t>();
-    float* query_rows = query.data_ptr<float>();
-    bool first = true;
-    for (const Layer& layer : layers_) {
-      if (first) {
-        kvik::rms_norm(x, residual, layer.input_norm, eps_);
-        first = false;
+    const int threads = at::get_num_threads();
+    if (!use_team.load(std::memory_order_relaxed) || threads <= 1 || kvik::current_team != nullptr ||
+        at::in_parallel_region() || threads > static_cast<int>(std::thread::hardware_concurrency()))
+      return run_layers(embeddings, cos, sin, slots, block_tables, seq_lens);
+    // One OpenMP region for the whole step (decode_team.h): this thread runs the layers, the
+    // others serve the kernels' chunks until it is done, whether it returns or throws.
+    std::tuple<torch::Tensor, torch::Tensor> result;
+    std::exception_ptr error;
+    kvik::DecodeTeam team(threads);
+#pragma omp parallel num_threads(threads)
+    {
+      if (omp_get_thread_num() == 0) {
+        if (omp_get_num_threads() == threads) {
+          kvik::current_team = &team;
+          try {
+            result = run_layers(embeddings, cos, sin, slots, block_tables, seq_lens);
+          } catch (...) {
+            error = std::current_exception();
+          }
+          kvik::current_team = nullptr;
+        } else {
+          // The runtime gave the region fewer threads than asked: no team (serve() never waits
+          // for a thread that is not there), the kernels run on this thread alone.
+          try {
+            result = run_layers(embeddings, cos, sin, slots, block_tables, seq_lens);
+          } catch (...) {
+            error = std::current_exception();
+          }
+        }
+        team.stop();
       } else {
-        kvik::fused_add_rms_norm(x, residual, layer.input_norm, eps_);
+        team.serve(omp_get_thread_num());
       }
-      torch::Tensor qkv = (*layer.qkv)(x);  // (T, q + 2 kv)
-      // Rotary on the q and k heads, k and v into the cache and q into `query`, on raw rows: as
-      // tensor views (narrow, view, contiguous) these cost 3-4 us a layer, 4 % of a step of a
-      // 30-layer model.
-      float* rows = qkv.data_ptr<float>();
-      kvik::rotary_rows(rows, 0, tokens, heads_ + kv_heads_, head_dim_, row_width, head_dim_, cos_rows, sin_rows);
-      kvik::write_kv_rows(rows + q_size, tokens, row_width, head_dim_, layer.key_cache.data_ptr(),
-                          layer.key_cache.scalar_type(), kv_heads_, head_slots, head_dim_, layer.key_scale_rows,
-                          slot_ids);
-      kvik::write_kv_rows(rows + q_size + kv_size, tokens, row_width, head_dim_, layer.value_cache.data_ptr(),
-                          layer.value_cache.scalar_type(), kv_heads_, head_slots, head_dim_,
-                          layer.value_scale_rows, slot_ids);
-      for (int64_t t = 0; t < tokens; ++t)
-        std::memcpy(query_rows + t * q_size, rows + t * row_width, q_size * sizeof(float));
-      kvik::decode_attention(query, layer.key_cache, layer.value_cache, block_tables, seq_lens, scale_,
-                             attended, layer.key_scales, layer.value_scales);
-      torch::Tensor o = (*layer.o)(attended.view({tokens, q_size}));
-      kvik::fused_add_rms_norm(o, residual, layer.post_norm, eps_);
-      torch::Tensor gate_up = (*layer.gate_up)(o);
-      kvik::silu_and_mul(activated, gate_up);
-      x = (*layer.down)(activated);
     }
-    return {x, residual};
+    if (error) std::rethrow_exception(error);
+    return result;
   }
 
   // The whole decode body from token ids: the embedding rows and the rotary tables' rows looked up
@@ -150,6 +146,67 @@ class DecodeStack {
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
  private:
+  std::tuple<torch::Tensor, torch::Tensor> run_layers(const torch::Tensor& embeddings, const torch::Tensor& cos,
+                                                      const torch::Tensor& sin, const torch::Tensor& slots,
+                                                      const torch::Tensor& block_tables,
+                                                      const torch::Tensor& seq_lens) const {
+    TORCH_CHECK(embeddings.dim() == 2 && embeddings.is_contiguous(), "embeddings must be (T, hidden)");
+    TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.is_contiguous(), "slots must be int64");
+    const int64_t tokens = embeddings.size(0);
+    const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_, head_slots = head_slots_;
+    const int64_t hidden = embeddings.size(1);
+    torch::Tensor residual = embeddings.clone();
+    torch::Tensor x = torch::empty_like(embeddings);
+    // Each projection's output, written in place layer after layer (forward_into).
+    torch::Tensor qkv = torch::empty({tokens, q_size + 2 * kv_size}, embeddings.options());
+    torch::Tensor o = torch::empty({tokens, hidden}, embeddings.options());
+    torch::Tensor gate_up = torch::empty({tokens, 2 * intermediate_}, embeddings.options());
+    torch::Tensor attended = torch::empty({tokens, heads_, head_dim_}, embeddings.options());
+    torch::Tensor activated = torch::empty({tokens, intermediate_}, embeddings.options());
+    torch::Tensor query = torch::empty({tokens, heads_, head_dim_}, embeddings.options());
+    TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 && cos.size(0) == tokens &&
+                    cos.size(1) == head_dim_ && sin.sizes() == cos.sizes() && cos.scalar_type() == torch::kFloat &&
+                    sin.scalar_type() == torch::kFloat,
+                "cos and sin must be contiguous float32 (T, head_dim)");
+    TORCH_CHECK(slots.numel() == tokens, "one slot per token");
+    const int64_t row_width = q_size + 2 * kv_size;
+    const float* cos_rows = cos.data_ptr<float>();
+    const float* sin_rows = sin.data_ptr<float>();
+    const int64_t* slot_ids = slots.data_ptr<int64_t>();
+    float* query_rows = query.data_ptr<float>();
+    bool first = true;
+    for (const Layer& layer : layers_) {
+      if (first) {
+        kvik::rms_norm(x, residual, layer.input_norm, eps_);
+        first = false;
+      } else {
+        kvik::fused_add_rms_norm(x, residual, layer.input_norm, eps_);
+      }
+      layer.qkv->forward_into(x, qkv);  // (T, q + 2 kv)
+      // Rotary on the q and k heads, k and v into the cache and q into `query`, on raw rows: as
+      // tensor views (narrow, view, contiguous) these cost 3-4 us a layer, 4 % of a step of a
+      // 30-layer model.
+      float* rows = qkv.data_ptr<float>();
+      kvik::rotary_rows(rows, 0, tokens, heads_ + kv_heads_, head_dim_, row_width, head_dim_, cos_rows, sin_rows);
+      kvik::write_kv_rows(rows + q_size, tokens, row_width, head_dim_, layer.key_cache.data_ptr(),
+                          layer.key_cache.scalar_type(), kv_heads_, head_slots, head_dim_, layer.key_scale_rows,
+                          slot_ids);
+      kvik::write_kv_rows(rows + q_size + kv_size, tokens, row_width, head_dim_, layer.value_cache.data_ptr(),
+                          layer.value_cache.scalar_type(), kv_heads_, head_slots, head_dim_,
+                          layer.value_scale_rows, slot_ids);
+      for (int64_t t = 0; t < tokens; ++t)
+        std::memcpy(query_rows + t * q_size, rows + t * row_width, q_size * sizeof(float));
+      kvik::decode_attention(query, layer.key_cache, layer.value_cache, block_tables, seq_lens, scale_,
+                             attended, layer.key_scales, layer.value_scales);
+      layer.o->forward_into(attended.view({tokens, q_size}), o);
+      kvik::fused_add_rms_norm(o, residual, layer.post_norm, eps_);
+      layer.gate_up->forward_into(o, gate_up);
+      kvik::silu_and_mul(activated, gate_up);
+      layer.down->forward_into(activated, x);
+    }
+    return {x, residual};
+  }
+
   int64_t heads_, kv_heads_, head_dim_, intermediate_;
   int64_t head_slots_ = 0;  // blocks * block_size of each layer's cache
   double eps_, scale_;
@@ -166,6 +223,10 @@ WeightPtr packed_float32(int64_t address, int64_t out_features, int64_t in_featu
   weight->in_stride = in_stride;
   weight->block = block;
   weight->bias = bias;
+  // Checked here once: the decode stack's calls (forward_into) do not check the weight again.
+  TORCH_CHECK(block == 16 || block == 32 || block == 64, "unsupported block of ", block, " output rows");
+  TORCH_CHECK(address != 0 && in_stride >= in_features && out_features > 0, "not a packed weight");
+  kvik::check_linear_bias(*weight);
   return weight;
 }
 
@@ -185,6 +246,7 @@ WeightPtr weight_only(int64_t format, const torch::Tensor& data, const c10::opti
   weight->bias = bias;
   weight->block = kvik::kWeightBlock;
   kvik::check_linear_weight(*weight);  // shapes and dtypes now, not at the first forward
+  kvik::check_linear_bias(*weight);
   return weight;
 }
 
@@ -202,6 +264,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("query"), py::arg("key"), py::arg("value"), py::arg("out"), py::arg("scale"));
   m.def("prefill_attention_supported", &kvik::prefill_attention_supported,
         "whether prefill_attention runs here for this head_dim (AVX-512 builds)");
+  m.def("set_decode_team", [](bool enabled) { use_team.store(enabled); },
+        "run a decode step's kernels on one team of threads held for the step (the default) or each in "
+        "its own OpenMP region (tests, A/B timing)");
   m.def("set_plain_attention", &kvik::set_plain_attention,
         "run decode_attention's plain loops even where its AVX-512 pass applies (for tests)");
   m.def("write_kv", &kvik::write_kv, "store (tokens, kv_heads, head_dim) rows into their cache slots");

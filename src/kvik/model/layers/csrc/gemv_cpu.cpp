@@ -14,6 +14,7 @@
 
 #include <algorithm>
 
+#include "decode_team.h"
 #include "kernels.h"
 
 namespace {
@@ -59,7 +60,7 @@ template <int B>
 void gemv_block(int64_t rows, float* out, const float* x, const float* w, const float* bias,
                 int64_t out_features, int64_t in_features, int64_t in_stride) {
   const int64_t blocks = (out_features + B - 1) / B;
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+  kvik::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t block = begin; block < end; ++block) {
       const float* wb = w + block * in_stride * B;
       const int64_t first = block * B;
@@ -95,16 +96,21 @@ at::Tensor gemv_packed(const at::Tensor& x, int64_t weight_address, int64_t out_
     bias_ptr = bias->data_ptr<float>();
   }
   auto out = at::empty({rows, out_features}, x.options());
+  TORCH_CHECK(block == 16 || block == 32 || block == 64, "unsupported block of ", block, " output rows");
+  gemv_packed_into(x.data_ptr<float>(), rows, in_features, weight_address, out_features, in_stride, block, bias_ptr,
+                   out.data_ptr<float>());
+  return out;
+}
+
+void gemv_packed_into(const float* x, int64_t rows, int64_t in_features, int64_t weight_address,
+                      int64_t out_features, int64_t in_stride, int64_t block, const float* bias, float* out) {
   const auto* w = reinterpret_cast<const float*>(weight_address);
-  float* o = out.data_ptr<float>();
-  const float* xp = x.data_ptr<float>();
   switch (block) {
-    case 16: gemv_block<16>(rows, o, xp, w, bias_ptr, out_features, in_features, in_stride); break;
-    case 32: gemv_block<32>(rows, o, xp, w, bias_ptr, out_features, in_features, in_stride); break;
-    case 64: gemv_block<64>(rows, o, xp, w, bias_ptr, out_features, in_features, in_stride); break;
+    case 16: gemv_block<16>(rows, out, x, w, bias, out_features, in_features, in_stride); break;
+    case 32: gemv_block<32>(rows, out, x, w, bias, out_features, in_features, in_stride); break;
+    case 64: gemv_block<64>(rows, out, x, w, bias, out_features, in_features, in_stride); break;
     default: TORCH_CHECK(false, "unsupported block of ", block, " output rows");
   }
-  return out;
 }
 
 }  // namespace kvik

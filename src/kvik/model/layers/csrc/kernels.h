@@ -57,6 +57,9 @@ void prefill_attention(const at::Tensor& query, const at::Tensor& key, const at:
 // gemv_cpu.cpp
 at::Tensor gemv_packed(const at::Tensor& x, int64_t weight_address, int64_t out_features,
                        int64_t in_stride, int64_t block, const c10::optional<at::Tensor>& bias);
+// The same into `out` (rows, out_features), unchecked: the decode stack's path.
+void gemv_packed_into(const float* x, int64_t rows, int64_t in_features, int64_t weight_address,
+                      int64_t out_features, int64_t in_stride, int64_t block, const float* bias, float* out);
 
 // How a linear layer's weight is held. kPackedFloat32 is oneDNN's prepacked buffer (gemv_cpu.cpp);
 // the weight-only formats use kvik's blocked layout (weight_only_cpu.cpp): blocks of kWeightBlock
@@ -101,6 +104,10 @@ struct LinearWeight {
   // and stream each block of weights once for up to four rows, from cache for more (on AVX-512 from
   // 16 rows: a pair of blocks widened once per chunk of rows, tiles of 12 rows).
   at::Tensor operator()(const at::Tensor& x) const;
+  // The same into a preallocated out (rows, out_features); the weight's own checks are left to
+  // construction (weight_only() checks it; the decode stack calls this four times a layer, and the
+  // checks and the allocation were ~1 us of each call).
+  void forward_into(const at::Tensor& x, at::Tensor& out) const;
 };
 
 // read_bandwidth_cpu.cpp: streams the buffer the way the decode kernels stream weights and returns
@@ -110,6 +117,10 @@ int64_t stream_read(const at::Tensor& buffer);
 // weight_only_cpu.cpp
 void check_linear_weight(const LinearWeight& weight);  // throws unless shapes and dtypes agree
 at::Tensor weight_only_linear(const at::Tensor& x, const LinearWeight& weight);
+// Unchecked: rows of x (in_features floats each) into out (rows, out_features); the weight and its
+// bias already checked (check_linear_weight, check_linear_bias).
+void weight_only_linear_into(const float* x, int64_t rows, const LinearWeight& weight, float* out);
+void check_linear_bias(const LinearWeight& weight);
 // The dense weight, transposed: (in_features, out_features) float32 or bfloat16, for prefill GEMMs.
 at::Tensor dequantize_transposed(const LinearWeight& weight, bool bfloat16);
 // The vector instructions the weight-only kernels use: "avx2", or "portable" (plain loops, compiled

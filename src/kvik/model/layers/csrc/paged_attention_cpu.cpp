@@ -38,6 +38,7 @@
 #include <immintrin.h>
 #endif
 
+#include "decode_team.h"
 #include "kernels.h"
 
 namespace {
@@ -371,14 +372,14 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& key_cache,
       // Work is (sequence, KV head) pairs; when they do not divide evenly among the threads (one
       // sequence of a model with 3 KV heads on 2 threads: one thread takes two, the step waits for
       // it), each pair's blocks are cut into `ranges` ranges that do, merged afterwards.
-      const int64_t pairs = batch * kv_heads, threads = at::get_num_threads();
+      const int64_t pairs = batch * kv_heads, threads = kvik::parallel_threads();
       const int64_t ranges = threads > 1 && pairs % threads != 0 ? threads / std::gcd(pairs, threads) : 1;
       const RangeKernel kernel = range_kernel<T>(vectors);
       std::vector<float> partial(ranges > 1 ? pairs * ranges * group * (dim + 2) : 0);
       float* const peaks = partial.data();
       float* const totals = peaks + pairs * ranges * group;
       float* const accs = totals + pairs * ranges * group;
-      at::parallel_for(0, pairs * ranges, 1, [&](int64_t begin, int64_t end) {
+      kvik::parallel_for(0, pairs * ranges, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> weights(group * block_size), own(ranges > 1 ? 0 : group * (dim + 2));
         for (int64_t item = begin; item < end; ++item) {
           const int64_t pair = item / ranges, range = item % ranges;
@@ -405,7 +406,7 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& key_cache,
     }
   }
 #endif
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  kvik::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<float> acc(group * dim);
     std::vector<float> row(kWidenRows ? dim : 0);

@@ -39,6 +39,7 @@
 #include <utility>
 #include <vector>
 
+#include "decode_team.h"
 #include "kernels.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -1134,25 +1135,29 @@ void check_linear_weight(const LinearWeight& weight) {
   }
 }
 
+void check_linear_bias(const LinearWeight& weight) {
+  if (weight.bias.has_value() && weight.bias->defined())
+    TORCH_CHECK(weight.bias->is_contiguous() && weight.bias->numel() == weight.out_features &&
+                    weight.bias->scalar_type() == at::kFloat,
+                "bias must be float32 with out_features elements");
+}
+
 at::Tensor weight_only_linear(const at::Tensor& x, const LinearWeight& weight) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
               "x must be a contiguous float32 (rows, in_features) tensor");
   TORCH_CHECK(x.size(1) == weight.in_features, "x has ", x.size(1), " features, the weight ",
               weight.in_features);
   check_linear_weight(weight);
-  const int64_t rows = x.size(0), in_features = weight.in_features, out_features = weight.out_features;
+  check_linear_bias(weight);
+  at::Tensor out = at::empty({x.size(0), weight.out_features}, x.options());
+  if (x.size(0) > 0) weight_only_linear_into(x.data_ptr<float>(), x.size(0), weight, out.data_ptr<float>());
+  return out;
+}
+
+void weight_only_linear_into(const float* xp, int64_t rows, const LinearWeight& weight, float* op) {
+  const int64_t in_features = weight.in_features, out_features = weight.out_features;
   const int64_t blocks = (out_features + kBlock - 1) / kBlock;
-  const float* bias = nullptr;
-  if (weight.bias.has_value() && weight.bias->defined()) {
-    TORCH_CHECK(weight.bias->is_contiguous() && weight.bias->numel() == out_features &&
-                    weight.bias->scalar_type() == at::kFloat,
-                "bias must be float32 with out_features elements");
-    bias = weight.bias->data_ptr<float>();
-  }
-  at::Tensor out = at::empty({rows, out_features}, x.options());
-  if (rows == 0) return out;
-  const float* xp = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  const float* bias = weight.bias.has_value() && weight.bias->defined() ? weight.bias->data_ptr<float>() : nullptr;
   const WeightView view(weight);
   const auto finish = [&](int64_t block, int64_t r, int64_t chunk, const float (*acc)[kBlock]) {
     const int64_t first = block * kBlock, count = std::min<int64_t>(kBlock, out_features - first);
@@ -1174,7 +1179,7 @@ at::Tensor weight_only_linear(const at::Tensor& x, const LinearWeight& weight) {
     // More than one pass of rows: unpack each block once (unpack_int4_block, unpack_int8_block).
     const bool int4 = weight.format == kInt4, unpack = rows > kRows;
     const int64_t operand_vectors = int4 ? in_features / 4 : in_features / kActBlock * kInt8UnpackedVectors;
-    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    kvik::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
       // Passes of four rows, as below (eight ran a 512-row prompt at 0.7x the speed: the
       // accumulators no longer fit in the 32 vector registers).
       float acc[kRows][kBlock];
@@ -1193,20 +1198,20 @@ at::Tensor weight_only_linear(const at::Tensor& x, const LinearWeight& weight) {
         }
       }
     });
-    return out;
+    return;
   }
 #endif
 #if KVIK_BF16_DOT
   if (rows >= kBf16DotMinRows && bf16_dot_tiles(view)) {
     tiled_rows_bf16dot(view, xp, rows, out_features, bias, op);
-    return out;
+    return;
   }
 #endif
   if (float_tiles(view, rows)) {
 #if KVIK_WEIGHT_ONLY_AVX2 && defined(__AVX512F__)
     tiled_rows_avx512(view, xp, rows, out_features, bias, op);
 #endif
-    return out;
+    return;
   }
   // int4: each row's sum over each group of inputs, for the groups' offsets.
   const int64_t groups = weight.format == kInt4 ? view.groups : 0;
@@ -1221,7 +1226,7 @@ at::Tensor weight_only_linear(const at::Tensor& x, const LinearWeight& weight) {
         x_sums[r * groups + g] = sum;
       }
   }
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+  kvik::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     float acc[kRows][kBlock];
     for (int64_t block = begin; block < end; ++block) {
       // Rows in passes of four: the block's weights come from DRAM once, then from cache.
@@ -1232,7 +1237,6 @@ at::Tensor weight_only_linear(const at::Tensor& x, const LinearWeight& weight) {
       }
     }
   });
-  return out;
 }
 
 at::Tensor dequantize_transposed(const LinearWeight& weight, bool bfloat16) {
@@ -1285,6 +1289,19 @@ at::Tensor dequantize_transposed(const LinearWeight& weight, bool bfloat16) {
 at::Tensor LinearWeight::operator()(const at::Tensor& x) const {
   if (format == kPackedFloat32) return gemv_packed(x, address, out_features, in_stride, block, bias);
   return weight_only_linear(x, *this);
+}
+
+void LinearWeight::forward_into(const at::Tensor& x, at::Tensor& out) const {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat && x.size(1) == in_features,
+              "x must be a contiguous float32 (rows, in_features) tensor");
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kFloat && out.numel() == x.size(0) * out_features,
+              "out must be a contiguous float32 (rows, out_features) tensor");
+  if (x.size(0) == 0) return;
+  if (format == kPackedFloat32)
+    return gemv_packed_into(x.data_ptr<float>(), x.size(0), in_features, address, out_features, in_stride, block,
+                            bias.has_value() && bias->defined() ? bias->data_ptr<float>() : nullptr,
+                            out.data_ptr<float>());
+  weight_only_linear_into(x.data_ptr<float>(), x.size(0), *this, out.data_ptr<float>());
 }
 
 void set_portable_kernels(bool portable) { portable_only.store(portable); }
