@@ -1,5 +1,5 @@
-// Every decoder layer of a Llama-family model for a step of 1-4 decodes, in one call from Python, and
-// the Python bindings of all of kvik's CPU kernels.
+// Every decoder layer of a Llama-family model for a step of 1-8 decodes (GEMV_MAX_ROWS), in one call
+// from Python, and the Python bindings of all of kvik's CPU kernels.
 //
 // At these batch sizes a step is bound by streaming the weights, and what is not streaming is
 // overhead: run as nn.Modules, each layer spends about 60 us in Python between its kernels (module
@@ -13,6 +13,10 @@
 // Per layer: [residual +=] x; x = rms_norm(residual) -> qkv GEMV -> rotary on q, k -> k, v into the
 // paged cache -> decode attention -> o GEMV -> residual += o; o = rms_norm(residual) -> gate_up
 // GEMV -> silu(gate) * up -> down GEMV.
+//
+// The step's parallel kernels (the GEMVs, attention) run on one team of threads held for the step
+// (decode_team.h) rather than an OpenMP region each; the projections write into buffers allocated
+// once per step.
 #include <torch/extension.h>
 
 #include <omp.h>
