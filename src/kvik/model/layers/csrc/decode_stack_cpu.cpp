@@ -103,23 +103,15 @@ class DecodeStack {
 #pragma omp parallel num_threads(threads)
     {
       if (omp_get_thread_num() == 0) {
-        if (omp_get_num_threads() == threads) {
-          kvik::current_team = &team;
-          try {
-            result = run_layers(embeddings, cos, sin, slots, block_tables, seq_lens);
-          } catch (...) {
-            error = std::current_exception();
-          }
-          kvik::current_team = nullptr;
-        } else {
-          // The runtime gave the region fewer threads than asked: no team (serve() never waits
-          // for a thread that is not there), the kernels run on this thread alone.
-          try {
-            result = run_layers(embeddings, cos, sin, slots, block_tables, seq_lens);
-          } catch (...) {
-            error = std::current_exception();
-          }
+        // Given fewer threads than asked, no team (a job would wait for a thread that is not
+        // there): the kernels run on this thread alone.
+        if (omp_get_num_threads() == threads) kvik::current_team = &team;
+        try {
+          result = run_layers(embeddings, cos, sin, slots, block_tables, seq_lens);
+        } catch (...) {
+          error = std::current_exception();
         }
+        kvik::current_team = nullptr;
         team.stop();
       } else {
         team.serve(omp_get_thread_num());
