@@ -96,7 +96,6 @@ at::Tensor gemv_packed(const at::Tensor& x, int64_t weight_address, int64_t out_
     bias_ptr = bias->data_ptr<float>();
   }
   auto out = at::empty({rows, out_features}, x.options());
-  TORCH_CHECK(block == 16 || block == 32 || block == 64, "unsupported block of ", block, " output rows");
   gemv_packed_into(x.data_ptr<float>(), rows, in_features, weight_address, out_features, in_stride, block, bias_ptr,
                    out.data_ptr<float>());
   return out;

@@ -281,30 +281,6 @@ void attend_range_avx512(const float* qg, int64_t group, const T* k_head, const 
   }
 }
 
-using RangeKernel = void (*)(const float*, int64_t, const void*, const void*, const c10::Half*, const c10::Half*,
-                             const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, float, float*, float*,
-                             float*, float*);
-
-template <int V, typename T>
-void attend_range_erased(const float* qg, int64_t group, const void* k_head, const void* v_head,
-                         const c10::Half* ks_head, const c10::Half* vs_head, const int64_t* table, int64_t num_blocks,
-                         int64_t len, int64_t block_size, int64_t first_block, int64_t last_block, float fscale,
-                         float* weights, float* peak, float* total, float* acc) {
-  attend_range_avx512<V, T>(qg, group, static_cast<const T*>(k_head), static_cast<const T*>(v_head), ks_head,
-                            vs_head, table, num_blocks, len, block_size, first_block, last_block, fscale, weights,
-                            peak, total, acc);
-}
-
-template <typename T>
-RangeKernel range_kernel(int64_t vectors) {
-  switch (vectors) {
-    case 1: return attend_range_erased<1, T>;
-    case 2: return attend_range_erased<2, T>;
-    case 4: return attend_range_erased<4, T>;
-    default: return attend_range_erased<8, T>;
-  }
-}
-
 // out (G, D) = the ranges' sums merged: each range's accumulators and total rescaled to the largest
 // peak, then divided by the combined total. One range: out = acc / total.
 void merge_ranges(int64_t ranges, int64_t group, int64_t dim, const float* peaks, const float* totals,
@@ -362,9 +338,6 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& key_cache,
   if (!kWidenRows && !plain_attention.load(std::memory_order_relaxed) &&
       (dim == 16 || dim == 32 || dim == 64 || dim == 128) && group <= kMaxGroup)
     vectors = dim / 16;
-#endif
-
-#if defined(__AVX512F__)
   if constexpr (!kWidenRows) {
     if (vectors) {
       for (int64_t b = 0; b < batch; ++b)
@@ -374,7 +347,14 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& key_cache,
       // it), each pair's blocks are cut into `ranges` ranges that do, merged afterwards.
       const int64_t pairs = batch * kv_heads, threads = kvik::parallel_threads();
       const int64_t ranges = threads > 1 && pairs % threads != 0 ? threads / std::gcd(pairs, threads) : 1;
-      const RangeKernel kernel = range_kernel<T>(vectors);
+      const auto attend = [vectors](auto... args) {
+        switch (vectors) {
+          case 1: return attend_range_avx512<1, T>(args...);
+          case 2: return attend_range_avx512<2, T>(args...);
+          case 4: return attend_range_avx512<4, T>(args...);
+          default: return attend_range_avx512<8, T>(args...);
+        }
+      };
       std::vector<float> partial(ranges > 1 ? pairs * ranges * group * (dim + 2) : 0);
       float* const peaks = partial.data();
       float* const totals = peaks + pairs * ranges * group;
@@ -388,7 +368,7 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& key_cache,
           float* peak = ranges > 1 ? peaks + item * group : own.data();
           float* total = ranges > 1 ? totals + item * group : peak + group;
           float* acc = ranges > 1 ? accs + item * group * dim : total + group;
-          kernel(q + (b * heads + kvh * group) * dim, group, kc + kvh * head_slots * dim, vc + kvh * head_slots * dim,
+          attend(q + (b * heads + kvh * group) * dim, group, kc + kvh * head_slots * dim, vc + kvh * head_slots * dim,
                  key_scales ? key_scales + kvh * head_slots : nullptr,
                  value_scales ? value_scales + kvh * head_slots : nullptr, tables + b * max_blocks, num_blocks, len,
                  block_size, used * range / ranges, used * (range + 1) / ranges, fscale, weights.data(), peak, total,
