@@ -23,3 +23,42 @@ def test_decode_runs_in_its_own_process(tiny_llama, tmp_path):
     result = run_decode(str(tiny_llama), bytes_per_token, tmp_path)
     assert result == json.loads((tmp_path / "decode.json").read_text())
     assert len(result["window_fractions"]) == 8 and result["decode_bandwidth_fraction"] > 0
+
+
+def test_paired_steps_run_in_bursts_of_steps_then_reads(tiny_llama, monkeypatch):
+    """With burst=4, ten decode steps come as 4 steps then 4 reads, 4 and 4, 2 and 2: each step in
+    its steady state; every step and every read is timed."""
+    import pytest
+
+    from kvik import LLM
+    from kvik.bench import compare
+
+    order: list[str] = []
+    sizes: list[int] = []
+
+    def fake_reader(buffer):
+        sizes.append(buffer.numel() * buffer.element_size())
+        return lambda: order.append("r")
+
+    monkeypatch.setattr(compare, "stream_reader", fake_reader)
+    llm = LLM(str(tiny_llama), show_progress=False, kv_cache_memory=2**26)
+    engine = llm.engine
+    step = engine.step
+
+    def logged_step():
+        order.append("s")
+        return step()
+
+    monkeypatch.setattr(engine, "step", logged_step)
+    decode_times, read_times = compare.paired_decode_steps(engine, 8, 10, 4096, burst=4)
+    assert len(decode_times) == len(read_times) == 10
+    # One read to page the buffer in and the prefill step first, then the bursts; steps after the
+    # last read only finish the request.
+    assert "".join(order).rstrip("s") == "rs" + "ssssrrrr" * 2 + "ssrr"
+    assert sizes == [4096]
+    # A read no cache serves (STREAM's rule): the buffer grows to min_read_bytes, each read's time
+    # counted for the step's bytes only.
+    compare.paired_decode_steps(engine, 8, 2, 4096, burst=2, min_read_bytes=2**20)
+    assert sizes == [4096, 2**20]
+    with pytest.raises(ValueError, match="burst"):
+        compare.paired_decode_steps(engine, 8, 4, 4096, burst=0)

@@ -124,36 +124,58 @@ def single_stream_decode(model: str, bytes_per_token: int, prompt_len: int = 64,
 
 
 def paired_decode_steps(engine: Any, prompt_len: int, tokens: int, bytes_per_token: int,
-                        device: str = "cpu", dtype: str = "float32") -> tuple[list[float], list[float]]:
-    """Decode `tokens` steps of one greedy request on `engine` (an LLMEngine on `device`), each
-    followed by a read of `bytes_per_token` bytes on the same device; returns the seconds of every
-    step and of every read."""
+                        device: str = "cpu", dtype: str = "float32", burst: int = 1,
+                        min_read_bytes: int = 0) -> tuple[list[float], list[float]]:
+    """Decode `tokens` steps of one greedy request on `engine` (an LLMEngine on `device`), with as
+    many reads of `bytes_per_token` bytes on the same device; returns the seconds of every step and
+    of every read.
+
+    `burst` steps run back to back, then `burst` reads, and so on. With 1 every step starts on the
+    caches the read before it emptied, which a decode never meets outside this benchmark; with a
+    few (8: ~20-40 ms a side on CPU) each step runs in its steady state, as tg128 decodes, where
+    part of one pass over the same bytes can still be in the last-level cache at the next (on a
+    32 MiB L3 a 69 MB int4 step took 2.5 ms alone against 2.8-3.3 ms right after a read), while
+    both sides still see the same phase of a machine whose bandwidth moves from second to second.
+
+    `min_read_bytes`: read a buffer of at least this size and count each read's time pro rata for
+    `bytes_per_token` bytes. With 4x the last-level cache this is STREAM's rule for a memory
+    bandwidth, a read that no cache serves; a buffer of the step's own size, read over and over,
+    stays partly in the cache (on the 32 MiB L3: 69 MB at 36-37 GB/s, 128 MB at 32, 256 MB at 31)."""
+    if burst < 1:
+        raise ValueError(f"burst must be at least 1, got {burst}")
     from kvik import SamplingParams
+
+    buffer_bytes = max(bytes_per_token, min_read_bytes)
 
     if device.startswith("cuda"):
         # In the weights' dtype, as the decode reads them; the reader synchronizes after the sum.
-        buffer = torch.ones(bytes_per_token // dtype_bytes(dtype), device=device, dtype=DTYPES[dtype])
+        buffer = torch.ones(buffer_bytes // dtype_bytes(dtype), device=device, dtype=DTYPES[dtype])
     else:
         # float32 whatever the weights' dtype: the CPU read kernel reads any buffer as 32-bit words
         # (it needs a multiple of 4 bytes), so the dtype changes nothing but that rounding. On huge
         # pages where the system has them, as the engine's weights are (kvik.model.huge_pages): on
         # 4 KiB pages the read is slower (30-43 against 34-72 GB/s here), and the bound too easy.
-        buffer = huge_page_empty(bytes_per_token // 4 * 4).view(torch.float32).fill_(1.0)
+        buffer = huge_page_empty(buffer_bytes // 4 * 4).view(torch.float32).fill_(1.0)
     read = stream_reader(buffer)
     read()  # page it in
-    engine.add_request("solo", list(range(3, 3 + prompt_len)),
+    share = bytes_per_token / buffer_bytes
+    engine.add_request(f"solo-{burst}", list(range(3, 3 + prompt_len)),
                        SamplingParams(temperature=0, max_tokens=tokens + 1, ignore_eos=True))
     engine.step()  # the prefill and the first token
-    decode_times, read_times = [], []
-    for _ in range(tokens):
-        synchronize(device)  # nothing queued from before (the read synchronized already)
-        started = time.perf_counter()
-        engine.step()
-        synchronize(device)  # the step's kernels done, in case any outlive its token's copy to the host
-        decoded = time.perf_counter()
-        read()
-        decode_times.append(decoded - started)
-        read_times.append(time.perf_counter() - decoded)
+    decode_times: list[float] = []
+    read_times: list[float] = []
+    for first in range(0, tokens, burst):
+        count = min(burst, tokens - first)
+        for _ in range(count):
+            synchronize(device)  # nothing queued from before (the read synchronized already)
+            started = time.perf_counter()
+            engine.step()
+            synchronize(device)  # the step's kernels done, in case any outlive its token's copy to the host
+            decode_times.append(time.perf_counter() - started)
+        for _ in range(count):
+            started = time.perf_counter()
+            read()
+            read_times.append((time.perf_counter() - started) * share)
     while engine.has_unfinished_requests():
         engine.step()
     return decode_times, read_times

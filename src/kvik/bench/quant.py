@@ -7,7 +7,9 @@ fall on every format alike:
 - single-stream decode tokens/s and the bytes one step reads (every linear weight, plus the KV of the
   context), as a fraction of the read bandwidth measured in reads paired with the steps (the method of
   `kvik bench compare`: each step is followed by a read of as many bytes, and the fraction is total
-  read time over total decode time);
+  read time over total decode time), and again against memory bandwidth as STREAM defines it:
+  steps in runs of STEADY_BURST (each in its steady state, as tg128 decodes), then as many reads
+  of a buffer of at least 4x the last-level cache, counted pro rata (`paired_decode_steps`);
 - prompt throughput: one 512-token prompt, tokens per second;
 - ratios of each to float32 in the same round.
 
@@ -40,6 +42,7 @@ WEIGHT_FORMATS: dict[str, dict[str, Any]] = {
     "checkpoint": {},
 }
 DEFAULT_FORMATS = ("float32", "bfloat16", "int8", "int4")
+STEADY_BURST = 8  # steps, then as many reads, in the second decode measurement
 KV_DTYPES = ("float32", "bfloat16", "int8", "fp8")
 
 
@@ -66,6 +69,7 @@ def measure_format(model: str, engine_args: dict[str, Any], decode_tokens: int, 
     from kvik import LLM, SamplingParams
     from kvik.bench.compare import paired_decode_steps
     from kvik.model.layers.kv_cache import kv_bytes_per_token
+    from kvik.model.transforms.prefetch import last_level_cache_bytes
 
     llm = LLM(model, show_progress=False, kv_cache_memory=2**30, enable_prefix_caching=False, **engine_args)
     engine, core = llm.engine, llm.engine.core  # the front end steps; the core holds the model
@@ -77,6 +81,8 @@ def measure_format(model: str, engine_args: dict[str, Any], decode_tokens: int, 
                           + cfg.hidden_size * 4)  # + the embedding row
     llm.generate([[5] * 8], SamplingParams(max_tokens=4, ignore_eos=True))  # warm every path
     decode_times, read_times = paired_decode_steps(engine, decode_prompt_len, decode_tokens, bytes_per_token)
+    steady_decode, steady_read = paired_decode_steps(engine, decode_prompt_len, decode_tokens, bytes_per_token,
+                                                     burst=STEADY_BURST, min_read_bytes=4 * last_level_cache_bytes())
     generator = torch.Generator().manual_seed(0)
     prompt_seconds = []
     for _ in range(prompt_repeats):
@@ -94,6 +100,9 @@ def measure_format(model: str, engine_args: dict[str, Any], decode_tokens: int, 
         "decode_tokens_per_second": decode_tokens / sum(decode_times),
         "read_bandwidth": bytes_per_token * decode_tokens / sum(read_times),
         "decode_bandwidth_fraction": sum(read_times) / sum(decode_times),
+        "steady_decode_tokens_per_second": decode_tokens / sum(steady_decode),
+        "steady_read_bandwidth": bytes_per_token * decode_tokens / sum(steady_read),
+        "steady_bandwidth_fraction": sum(steady_read) / sum(steady_decode),
         "prompt_tokens_per_second": prompt_len / statistics.median(prompt_seconds),
     }
 
@@ -186,11 +195,14 @@ def run(config: QuantBenchConfig) -> dict[str, Any]:
     lines = ["", f"weights ({config.rounds} rounds; median (min-max) over rounds; ratios to float32 of the same "
                  "round):",
              f"  {'format':<9} {'B/weight':>8} {'MB/token':>8} {'decode tok/s':>18} {'x fp32':>18} {'% of paired read':>18} "
+             f"{f'tok/s, runs of {STEADY_BURST}':>18} {'% of STREAM read':>18} "
              f"{'prompt tok/s':>20} {'x fp32':>18}"]
     summary: dict[str, Any] = {}
     for fmt in config.formats:
         decode = [r[fmt]["decode_tokens_per_second"] for r in rounds]
         fraction = [100 * r[fmt]["decode_bandwidth_fraction"] for r in rounds]
+        steady = [r[fmt]["steady_decode_tokens_per_second"] for r in rounds]
+        steady_fraction = [100 * r[fmt]["steady_bandwidth_fraction"] for r in rounds]
         prompt = [r[fmt]["prompt_tokens_per_second"] for r in rounds]
         decode_ratio = [r[fmt]["decode_tokens_per_second"] / r["float32"]["decode_tokens_per_second"]
                         for r in rounds] if "float32" in config.formats else [float("nan")]
@@ -200,15 +212,20 @@ def run(config: QuantBenchConfig) -> dict[str, Any]:
                         "bytes_per_weight": rounds[0][fmt]["bytes_per_weight"],
                         "decode_tokens_per_second": decode,
                         "decode_bandwidth_percent": fraction, "prompt_tokens_per_second": prompt,
+                        "steady_decode_tokens_per_second": steady, "steady_bandwidth_percent": steady_fraction,
                         "decode_ratio": decode_ratio, "prompt_ratio": prompt_ratio,
                         "read_bandwidth": [r[fmt]["read_bandwidth"] for r in rounds],
                         "precision": rounds[0][fmt]["precision"], "kernels": rounds[0][fmt]["kernels"]}
         lines.append(f"  {fmt:<9} {rounds[0][fmt]['bytes_per_weight']:8.3f} "
                      f"{rounds[0][fmt]['bytes_per_token'] / 1e6:8.1f} {_spread(decode):>18} "
-                     f"{_spread(decode_ratio):>18} {_spread(fraction):>18} {_spread(prompt):>20} "
+                     f"{_spread(decode_ratio):>18} {_spread(fraction):>18} {_spread(steady):>18} "
+                     f"{_spread(steady_fraction):>18} {_spread(prompt):>20} "
                      f"{_spread(prompt_ratio):>18}")
     bandwidths = [r[f]["read_bandwidth"] / 1e9 for r in rounds for f in config.formats]
     lines.append(f"  paired read bandwidth over the run: {min(bandwidths):.1f}-{max(bandwidths):.1f} GB/s")
+    steady_bandwidths = [r[f]["steady_read_bandwidth"] / 1e9 for r in rounds for f in config.formats]
+    lines.append(f"  STREAM read (a buffer of 4x the last-level cache or more) over the run: "
+                 f"{min(steady_bandwidths):.1f}-{max(steady_bandwidths):.1f} GB/s")
     kv = {dtype: kv_capacity(config.model, dtype, config.kv_budget, config.kv_sequence_len)
           for dtype in config.kv_dtypes}
     if kv:
