@@ -9,9 +9,10 @@ side, in one run.
 
 Single-stream decode tok/s and bytes per token as a fraction of the paired read bandwidth (a read
 after every step) and of the STREAM read (steps in runs of 8, then reads of a buffer of 4x the
-last-level cache or more), 512-token prompt tok/s, ratios to float32; KV tokens per GiB and concurrent 1k-token sequences at a fixed
-budget. Writes the reference model (`kvik make-model --size bench`) on first use; the quality model
-defaults to the trained Shakespeare demo (`kvik train demo`) when there is one.
+last-level cache or more), 512-token prompt tok/s, ratios to float32; KV tokens per GiB and
+concurrent 1k-token sequences at a fixed budget. Writes the reference model (`kvik make-model
+--size bench`) on first use; the quality model defaults to the trained Shakespeare demo (`kvik
+train demo`) when there is one.
 """
 
 from __future__ import annotations
