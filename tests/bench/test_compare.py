@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
+from kvik import LLM
+from kvik.bench import compare
 from kvik.bench.compare import run_decode, single_stream_decode
 from kvik.bench.roofline import ModelShape
 
@@ -28,11 +32,6 @@ def test_decode_runs_in_its_own_process(tiny_llama, tmp_path):
 def test_paired_steps_run_in_bursts_of_steps_then_reads(tiny_llama, monkeypatch):
     """With burst=4, ten decode steps come as 4 steps then 4 reads, 4 and 4, 2 and 2: each step in
     its steady state; every step and every read is timed."""
-    import pytest
-
-    from kvik import LLM
-    from kvik.bench import compare
-
     order: list[str] = []
     sizes: list[int] = []
 
