@@ -35,8 +35,10 @@ def counting(runner) -> list[bool]:
 def llm(tiny_llama) -> LLM:
     # block_size 4: tables of several blocks, padded to different widths within a batch. No prefix
     # cache: a repeated prompt would then be computed by other kernels (its tail as decode rows),
-    # whose float rounding differs from a full prefill's.
-    return LLM(str(tiny_llama), show_progress=False, block_size=4, seed=0, enable_prefix_caching=False)
+    # whose float rounding differs from a full prefill's. Single steps: every decode step is one
+    # execute (runs of forwards are tested in test_multi_step.py).
+    return LLM(str(tiny_llama), show_progress=False, block_size=4, seed=0, enable_prefix_caching=False,
+               num_scheduler_steps=1)
 
 
 def test_plain_decode_steps_equal_the_general_path(llm, monkeypatch) -> None:

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from kvik import LLM, SamplingParams
 from kvik.core.sampling_params import OutputKind
+from kvik.engine import scheduler as scheduler_module
 
 
 def assert_no_leaks(engine) -> None:
@@ -41,14 +44,31 @@ def drive_random_mix(engine, rng: random.Random, steps: int, make_prompt) -> Non
         engine.step()
 
 
-def test_random_mix_of_finish_abort_and_preemption(tiny_llama):
-    # A pool of 24 blocks of 4 tokens for up to 12 sequences forces preemption.
+@pytest.mark.parametrize("steps", [1, 8])
+def test_random_mix_of_finish_abort_and_preemption(tiny_llama, steps, monkeypatch):
+    # A pool of 24 blocks of 4 tokens for up to 12 sequences forces preemption. With runs of up
+    # to 8 forwards (multi-step decoding, as long as the count allows however slow the machine),
+    # sequences finish in fewer steps and blocks go to runs ahead of time.
+    monkeypatch.setattr(scheduler_module, "MULTI_STEP_SECONDS", 1e9)
     llm = LLM(str(tiny_llama), show_progress=False, block_size=4, max_model_len=64,
-              kv_cache_memory=24 * 4096, max_num_seqs=12, max_num_batched_tokens=48)
+              kv_cache_memory=24 * 4096, max_num_seqs=12, max_num_batched_tokens=48,
+              num_scheduler_steps=steps)
     engine = llm.engine
+    plans = []
+    schedule = engine.core.scheduler.schedule
+
+    def planned():
+        out = schedule()
+        plans.append(out.num_steps)
+        return out
+
+    engine.core.scheduler.schedule = planned
     drive_random_mix(engine, random.Random(0), 150,
                      lambda rng: [rng.randrange(1, 500) for _ in range(rng.randrange(1, 30))])
-    assert engine.core.scheduler.num_preemptions > 0
+    if steps == 1:
+        assert engine.core.scheduler.num_preemptions > 0
+    else:
+        assert sum(n > 1 for n in plans) > 10  # runs happened between the arrivals and aborts
     assert_no_leaks(engine)
 
 

@@ -261,7 +261,9 @@ def engine_pid(server) -> int:
 
 
 def test_stream_that_fails_mid_way_ends_with_an_error_and_no_done(server_factory):
-    failing = server_factory("--log-level", "info", env={"KVIK_FAULT_STEP": "20"})
+    # Step 8 is mid-way through 100 tokens: a prefill, a single decode step, then runs of up to
+    # 8 forwards (multi-step decoding).
+    failing = server_factory("--log-level", "info", env={"KVIK_FAULT_STEP": "8"})
     body = {"model": "tiny", "prompt": "Tell me a story", "max_tokens": 100, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     with httpx.stream("POST", f"{failing.base_url}/completions", json=body, timeout=60) as response:

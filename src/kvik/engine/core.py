@@ -38,7 +38,7 @@ from kvik.engine.messages import (EngineCoreOutput, EngineCoreRequest, EngineInf
 from kvik.engine.model_runner import ModelRunner
 from kvik.engine.request import Request, RequestGroup, RequestStatus
 from kvik.engine.sampler import Sampler, prompt_logprobs_for
-from kvik.engine.scheduler import SampledTokens, Scheduler
+from kvik.engine.scheduler import SampledTokens, ScheduledChunk, Scheduler
 from kvik.engine.spec_decode import SpecDecoder, build_spec_decoder
 from kvik.engine.structured.matcher import GrammarBackend
 from kvik.engine.scheduling_policy import make_policy
@@ -168,7 +168,7 @@ class EngineCore:
                                    max_model_len=self.max_model_len, uses_kv_cache=self.uses_kv_cache,
                                    policy=make_policy(args.scheduling_policy, self.device.type,
                                                       lower_tier_prefill_chunk=args.lower_tier_prefill_chunk),
-                                   adapters=self.adapters)
+                                   adapters=self.adapters, num_scheduler_steps=args.scheduler_steps())
         # Structured outputs: llguidance's tokenizer view is built in the background now, so no
         # request waits for it and requests without constraints never touch it.
         self.grammars = GrammarBackend(self.tokenizer_spec.backend_json, cfg.vocab_size,
@@ -355,6 +355,7 @@ class EngineCore:
     # -- the step --
 
     def step(self) -> list[EngineCoreOutput]:
+        started = time.perf_counter()
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             failed = self.scheduler.take_failed()  # sequences whose adapter could not be loaded
@@ -373,10 +374,14 @@ class EngineCore:
             request.num_prompt_logprobs_done = piece.first_token + piece.num_rows - 1
         requests: list[Request] = [chunk.request for chunk in result.sample_chunks]
         new_tokens: dict[Request, SampledTokens] = {}
+        forwards = 1
         if requests:
             sampled = self.sampler(result.logits[:len(requests)], requests)
             new_tokens = {r: SampledTokens([t], [lp] if lp else None)
                           for r, t, lp in zip(requests, sampled.token_ids, sampled.logprobs)}
+            if scheduled.num_steps > 1:
+                forwards = self._run_more_steps(result.sample_chunks, scheduled.num_steps, sampled.token_ids,
+                                                new_tokens)
         # Constrained sequences never get drafts (SpecDecoder.propose skips them): their tokens all
         # come from the sampler above.
         failed = self._advance_grammars(requests, sampled.token_ids) if requests else []
@@ -393,7 +398,38 @@ class EngineCore:
                 del self.groups[output.request_id]
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
+        self.scheduler.observe_step(time.perf_counter() - started, forwards)
         return outputs
+
+    def _run_more_steps(self, chunks: list[ScheduledChunk], num_steps: int, token_ids: list[int],
+                        new_tokens: dict[Request, SampledTokens]) -> int:
+        """The rest of a multi-step run (kvik.engine.scheduler): forwards 2..num_steps, each computing
+        the tokens the one before sampled, appended to `new_tokens`. Stops early once every sequence
+        has sampled a stop token; the scheduler's update drops what a sequence sampled after its
+        stop. The sequences qualify (Request.multi_step_ok), so nothing in their sampling reads the
+        tokens of this run, and the draws happen in the order single steps would make them.
+        Returns the number of forwards the whole step ran."""
+        requests = [chunk.request for chunk in chunks]
+        live = [not self._stops(request, token) for request, token in zip(requests, token_ids)]
+        for step in range(1, num_steps):
+            if not any(live):
+                return step
+            logits = self.runner.decode_next(chunks, step, token_ids)
+            sampled = self.sampler(logits, requests)
+            token_ids = sampled.token_ids
+            for row, (request, token, logprob) in enumerate(zip(requests, token_ids, sampled.logprobs)):
+                entry = new_tokens[request]
+                entry.token_ids.append(token)
+                if entry.logprobs is not None:
+                    entry.logprobs.append(logprob)
+                if live[row] and self._stops(request, token):
+                    live[row] = False
+        return num_steps
+
+    def _stops(self, request: Request, token_id: int) -> bool:
+        params = request.params
+        return (token_id in params.stop_token_ids
+                or (not params.ignore_eos and token_id in self.scheduler.eos_token_ids))
 
     def _advance_grammars(self, requests: list[Request], token_ids: list[int]) -> list[EngineCoreOutput]:
         """Advance each constrained sequence's matcher by its new token. The mask makes a rejection

@@ -195,11 +195,7 @@ class ModelRunner:
         have just streamed through the caches. Returns None for any other step."""
         if self.lora is not None or not self.has_kv_cache or not chunks:
             return None
-        size = self.block_size
         ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        lengths: list[int] = []
         for chunk in chunks:
             request = chunk.request
             position = chunk.start
@@ -207,6 +203,25 @@ class ModelRunner:
                     or request.wants_prompt_logprobs or position + 1 != request.num_tokens):
                 return None
             ids.append(request.all_token_ids[position])
+        return RunnerOutput(self._decode_rows(chunks, ids, 0), list(chunks), [], [])
+
+    def decode_next(self, chunks: list[ScheduledChunk], step: int, token_ids: list[int]) -> torch.Tensor:
+        """The `step`-th forward (from 1) of a multi-step run that started as a plain decode of
+        `chunks`: row i computes token_ids[i], sampled from the forward before, at position
+        chunk.start + step, in a slot the scheduler allocated for the run. Returns the rows'
+        logits, (rows, vocab) float32."""
+        if torch.is_inference_mode_enabled():
+            return self._decode_rows(chunks, token_ids, step)
+        with torch.inference_mode():
+            return self._decode_rows(chunks, token_ids, step)
+
+    def _decode_rows(self, chunks: list[ScheduledChunk], ids: list[int], step: int) -> torch.Tensor:
+        size = self.block_size
+        pos: list[int] = []
+        slots: list[int] = []
+        lengths: list[int] = []
+        for chunk in chunks:
+            position = chunk.start + step
             pos.append(position)
             slots.append(chunk.block_ids[position // size] * size + position % size)
             lengths.append(position + 1)
@@ -232,7 +247,7 @@ class ModelRunner:
             hidden = self.graphs.run(input_ids, positions, slot_mapping, meta.decode_block_tables, seq_lens)
         if hidden is None:
             hidden = self.model(input_ids, positions, meta)
-        return RunnerOutput(self.model.compute_logits(hidden).float(), list(chunks), [], [])
+        return self.model.compute_logits(hidden).float()
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  ordered: list[ScheduledChunk]) -> torch.Tensor:

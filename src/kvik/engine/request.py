@@ -115,6 +115,17 @@ class Request:
         return len(self.all_token_ids)
 
     @property
+    def multi_step_ok(self) -> bool:
+        """Whether forwards may run back to back for this sequence, each sampling from the one
+        before without the scheduler in between (multi-step decoding): nothing in its sampling
+        depends on the tokens it has produced (penalties, min_tokens) or on per-token state (a
+        grammar), and it is a plain generation on the base model."""
+        params = self.params
+        return (self.grammar is None and self.pooling is None and not self.wants_prompt_logprobs
+                and self.lora_slot < 0 and not params.min_tokens and params.repetition_penalty == 1.0
+                and not params.presence_penalty and not params.frequency_penalty)
+
+    @property
     def num_output_tokens(self) -> int:
         return len(self.all_token_ids) - self.num_prompt_tokens
 

@@ -1,0 +1,166 @@
+"""Multi-step decoding (`num_scheduler_steps`): runs of forwards between scheduler passes give the
+same tokens as single steps, stop where a single step would, and happen only where they may."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvik import LLM, SamplingParams
+from kvik.core.config import EngineArgs
+from kvik.core.errors import ConfigError
+from kvik.core.sampling_params import StructuredOutputs
+from kvik.engine import scheduler as scheduler_module
+from kvik.engine.kv_manager import KVCacheManager
+from kvik.engine.scheduler import Scheduler
+from tests.engine.helpers import make_request
+
+
+def decoding(scheduler: Scheduler, *requests) -> None:
+    """Admit the requests and compute their prompts, so the next step decodes each."""
+    for request in requests:
+        scheduler.add(request)
+    for chunk in scheduler.schedule().chunks:
+        chunk.request.num_computed_tokens = chunk.end
+        chunk.request.all_token_ids.append(7)
+
+
+def fast_scheduler(blocks: int = 64, steps: int = 8) -> Scheduler:
+    scheduler = Scheduler(KVCacheManager(blocks, 4), max_num_seqs=8, max_num_batched_tokens=64,
+                          num_scheduler_steps=steps)
+    scheduler.observe_step(0.001, 1)  # 1 ms a forward: the time cap allows 25
+    return scheduler
+
+
+def test_a_run_is_capped_by_max_tokens_and_gets_its_blocks_up_front():
+    scheduler = fast_scheduler()
+    short = make_request([1, 2, 3], SamplingParams(max_tokens=6))
+    long = make_request([4, 5, 6, 7, 8], SamplingParams(max_tokens=100))
+    decoding(scheduler, short, long)
+    out = scheduler.schedule()
+    # short has produced 1 of its 6 tokens: 5 more, so a run of 5 forwards.
+    assert out.num_steps == 5 and [c.num_new_tokens for c in out.chunks] == [1, 1]
+    for chunk in out.chunks:  # blocks for positions start .. start + 4
+        assert len(chunk.block_ids) * 4 >= chunk.start + out.num_steps
+
+
+def test_no_run_while_someone_waits_or_for_a_sequence_whose_sampling_reads_its_outputs():
+    scheduler = fast_scheduler()
+    decoding(scheduler, make_request([1, 2, 3]))
+    scheduler.max_num_seqs = 1
+    scheduler.add(make_request([4, 5]))  # waits for the running one's batch slot
+    assert scheduler.schedule().num_steps == 1
+
+    for params in (SamplingParams(repetition_penalty=1.2), SamplingParams(min_tokens=4),
+                   SamplingParams(presence_penalty=0.5)):
+        scheduler = fast_scheduler()
+        decoding(scheduler, make_request([1, 2, 3]), make_request([4, 5], params))
+        assert scheduler.schedule().num_steps == 1, params
+
+
+def test_no_run_when_its_blocks_are_short_and_nobody_is_preempted_for_one():
+    scheduler = fast_scheduler(blocks=3)  # 4 tokens a block
+    a, b = make_request([1, 2, 3]), make_request([4, 5, 6])
+    decoding(scheduler, a, b)  # one block each, a third free
+    out = scheduler.schedule()
+    assert out.num_steps == 1 and not out.preempted
+    assert [c.request for c in out.chunks] == [a, b]
+
+
+def test_slow_steps_get_no_runs():
+    scheduler = fast_scheduler()
+    decoding(scheduler, make_request([1, 2, 3]))
+    scheduler.observe_step(0.030, 1)  # a forward takes longer than a run may
+    assert scheduler.schedule().num_steps == 1
+    scheduler.observe_step(0.010 * 4, 4)  # 10 ms a forward: 2 fit in 25 ms
+    assert scheduler.schedule().num_steps == 2
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_llama):
+    """The same model with single steps and with runs of up to 8 forwards."""
+    return {steps: LLM(str(tiny_llama), show_progress=False, num_scheduler_steps=steps, seed=5)
+            for steps in (1, 8)}
+
+
+@pytest.fixture
+def no_time_cap(monkeypatch):
+    """Runs as long as num_scheduler_steps allows, however slow this machine is."""
+    monkeypatch.setattr(scheduler_module, "MULTI_STEP_SECONDS", 1e9)
+
+
+def forwards_counted(llm: LLM) -> list[int]:
+    """Counts the forwards that continue a run (ModelRunner.decode_next) in a one-item list."""
+    runner = llm.engine.core.runner
+    count = [0]
+    original = runner.decode_next
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return original(*args, **kwargs)
+
+    runner.decode_next = counted
+    return count
+
+
+def test_runs_give_the_tokens_and_logprobs_of_single_steps(engines, no_time_cap):
+    prompts = ["The weather today", "Once upon a time", "12345 678", "Hello"]
+    params = [SamplingParams(temperature=0, max_tokens=29, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=23, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logit_bias={5: 3.0}),
+              SamplingParams(temperature=0.7, top_k=20, seed=3, max_tokens=17, ignore_eos=True, logprobs=1)]
+    count = forwards_counted(engines[8])
+    single = engines[1].generate(prompts, params)
+    runs = engines[8].generate(prompts, params)
+    assert count[0] > 20  # most tokens came from runs
+    for one, many in zip(single, runs):
+        a, b = one.outputs[0], many.outputs[0]
+        assert b.token_ids == a.token_ids and b.text == a.text and b.finish_reason == a.finish_reason
+        if a.logprobs is not None:
+            assert [sorted(x) for x in b.logprobs] == [sorted(x) for x in a.logprobs]
+            for x, y in zip(a.logprobs, b.logprobs):
+                assert all(x[t].logprob == pytest.approx(y[t].logprob, abs=1e-5) for t in x)
+
+
+def test_a_run_stops_where_a_single_step_would(engines, no_time_cap):
+    free = engines[1].generate(["The weather today"], SamplingParams(
+        temperature=0, max_tokens=30, ignore_eos=True))[0].outputs[0]
+    stop_token = free.token_ids[9]
+    first = free.token_ids.index(stop_token)
+    stop_text = free.text[12:15]
+    for llm in engines.values():
+        out = llm.generate(["The weather today"], SamplingParams(
+            temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[stop_token]))[0].outputs[0]
+        assert out.token_ids == free.token_ids[:first + 1] and out.finish_reason == "stop"
+        out = llm.generate(["The weather today"], SamplingParams(
+            temperature=0, max_tokens=30, ignore_eos=True, stop=[stop_text]))[0].outputs[0]
+        assert out.text == free.text[:free.text.index(stop_text)] and out.stop_reason == stop_text
+    # The run ended with the stop token: the next request starts from a consistent cache.
+    again = engines[8].generate(["The weather today"], SamplingParams(
+        temperature=0, max_tokens=30, ignore_eos=True))[0].outputs[0]
+    assert again.token_ids == free.token_ids
+
+
+def test_a_structured_request_in_the_batch_keeps_every_step_single(engines, no_time_cap):
+    llm = engines[8]
+    count = forwards_counted(llm)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    outs = llm.generate(["Hello", "The weather today"], [
+        SamplingParams(temperature=0, max_tokens=20, structured_outputs=StructuredOutputs(json=schema)),
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)])
+    assert outs[1].outputs[0].token_ids == engines[1].generate(["The weather today"], SamplingParams(
+        temperature=0, max_tokens=20, ignore_eos=True))[0].outputs[0].token_ids
+    # While the constrained request ran, nothing was run ahead; after it ended the other may have.
+    assert count[0] <= 20 - len(outs[0].outputs[0].token_ids)
+
+
+def test_config_refuses_runs_with_speculation_or_lora_and_out_of_range_counts(tiny_llama):
+    for bad in (0, 65):
+        with pytest.raises(ConfigError, match="num_scheduler_steps"):
+            EngineArgs(model=str(tiny_llama), num_scheduler_steps=bad)
+    with pytest.raises(ConfigError, match="num_scheduler_steps"):
+        EngineArgs(model=str(tiny_llama), num_scheduler_steps=4, speculative_method="ngram")
+    with pytest.raises(ConfigError, match="num_scheduler_steps"):
+        EngineArgs(model=str(tiny_llama), num_scheduler_steps=4, enable_lora=True)
+    assert EngineArgs(model=str(tiny_llama), num_scheduler_steps=1, speculative_method="ngram").scheduler_steps() == 1
+    assert EngineArgs(model=str(tiny_llama), speculative_method="ngram").scheduler_steps() == 1
+    assert EngineArgs(model=str(tiny_llama)).scheduler_steps() == 8
