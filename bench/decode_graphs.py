@@ -33,8 +33,10 @@ def kvik_decode(model: str, device: str, dtype: str, batches: list[int], prompt_
     from kvik import LLM, SamplingParams
     from kvik.bench.offline import model_vocab_size
 
+    # Single steps: each engine.step() below is one forward of the batch, graphed or eager
+    # (multi-step decoding would make a step several of them).
     llm = LLM(model, show_progress=False, device=device, dtype=dtype, enforce_eager=eager,
-              max_num_seqs=max(batches), kv_cache_memory=kv_memory)
+              max_num_seqs=max(batches), kv_cache_memory=kv_memory, num_scheduler_steps=1)
     engine, scheduler = llm.engine, llm.engine.core.scheduler
     vocab = model_vocab_size(model)
     generator = torch.Generator().manual_seed(0)

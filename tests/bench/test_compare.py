@@ -11,6 +11,7 @@ from kvik import LLM
 from kvik.bench import compare
 from kvik.bench.compare import run_decode, single_stream_decode
 from kvik.bench.roofline import ModelShape
+from kvik.engine import scheduler as scheduler_module
 
 
 def test_decode_pairs_each_step_with_a_read(tiny_llama):
@@ -40,7 +41,7 @@ def test_paired_steps_run_in_bursts_of_steps_then_reads(tiny_llama, monkeypatch)
         return lambda: order.append("r")
 
     monkeypatch.setattr(compare, "stream_reader", fake_reader)
-    llm = LLM(str(tiny_llama), show_progress=False, kv_cache_memory=2**26)
+    llm = LLM(str(tiny_llama), show_progress=False, kv_cache_memory=2**26, num_scheduler_steps=1)
     engine = llm.engine
     step = engine.step
 
@@ -61,3 +62,25 @@ def test_paired_steps_run_in_bursts_of_steps_then_reads(tiny_llama, monkeypatch)
     assert sizes == [4096, 2**20]
     with pytest.raises(ValueError, match="burst"):
         compare.paired_decode_steps(engine, 8, 4, 4096, burst=0)
+
+
+def test_paired_steps_count_the_tokens_of_multi_step_runs(tiny_llama, monkeypatch):
+    """A step that runs 4 forwards (multi-step decoding) makes 4 tokens: it shares its time among
+    them and is followed by 4 reads, so a token's time and its read still pair up."""
+    order: list[str] = []
+    monkeypatch.setattr(compare, "stream_reader", lambda buffer: lambda: order.append("r"))
+    monkeypatch.setattr(scheduler_module, "MULTI_STEP_SECONDS", 1e9)  # runs however slow the machine
+    llm = LLM(str(tiny_llama), show_progress=False, kv_cache_memory=2**26, num_scheduler_steps=4)
+    engine = llm.engine
+    step = engine.step
+
+    def logged_step():
+        order.append("s")
+        return step()
+
+    monkeypatch.setattr(engine, "step", logged_step)
+    decode_times, read_times = compare.paired_decode_steps(engine, 8, 10, 4096, burst=4)
+    assert len(decode_times) == len(read_times) == 10
+    # The prefill, then runs of 4, 4 and the 2 max_tokens leaves, each followed by its reads.
+    assert "".join(order).rstrip("s") == "rs" + "srrrr" * 2 + "srr"
+    assert decode_times[0] == decode_times[3] and decode_times[8] == decode_times[9]

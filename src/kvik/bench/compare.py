@@ -126,11 +126,12 @@ def single_stream_decode(model: str, bytes_per_token: int, prompt_len: int = 64,
 def paired_decode_steps(engine: Any, prompt_len: int, tokens: int, bytes_per_token: int,
                         device: str = "cpu", dtype: str = "float32", burst: int = 1,
                         min_read_bytes: int = 0) -> tuple[list[float], list[float]]:
-    """Decode `tokens` steps of one greedy request on `engine` (an LLMEngine on `device`), with as
-    many reads of `bytes_per_token` bytes on the same device; returns the seconds of every step and
-    of every read.
+    """Decode `tokens` tokens of one greedy request on `engine` (an LLMEngine on `device`), with as
+    many reads of `bytes_per_token` bytes on the same device; returns the seconds of every token
+    and of every read. A step that is a run of forwards (multi-step decoding) counts as its tokens,
+    each its share of the step's time.
 
-    `burst` steps run back to back, then `burst` reads, and so on. With 1 every step starts on the
+    Steps for `burst` tokens run back to back, then `burst` reads, and so on. With 1 every step starts on the
     caches the read before it emptied, which a decode never meets outside this benchmark; with a
     few (8: ~20-40 ms a side on CPU) each step runs in its steady state, as tg128 decodes, where
     part of one pass over the same bytes can still be in the last-level cache at the next (on a
@@ -164,18 +165,28 @@ def paired_decode_steps(engine: Any, prompt_len: int, tokens: int, bytes_per_tok
     engine.step()  # the prefill and the first token
     decode_times: list[float] = []
     read_times: list[float] = []
-    for first in range(0, tokens, burst):
-        count = min(burst, tokens - first)
-        for _ in range(count):
+    core = engine.core
+    while len(decode_times) < tokens:
+        made = 0
+        while made < burst and len(decode_times) < tokens:
+            before = core.generation_tokens_total
             synchronize(device)  # nothing queued from before (the read synchronized already)
             started = time.perf_counter()
             engine.step()
             synchronize(device)  # the step's kernels done, in case any outlive its token's copy to the host
-            decode_times.append(time.perf_counter() - started)
-        for _ in range(count):
+            elapsed = time.perf_counter() - started
+            # A step is a run of several forwards under multi-step decoding: its time is shared
+            # by its tokens, each of which gets its read.
+            count = core.generation_tokens_total - before
+            if count < 1:
+                raise RuntimeError("a decode step produced no token: the request ended early")
+            decode_times.extend([elapsed / count] * count)
+            made += count
+        for _ in range(made):
             started = time.perf_counter()
             read()
             read_times.append((time.perf_counter() - started) * share)
+    del decode_times[tokens:], read_times[tokens:]  # max_tokens ends the last run on the count
     while engine.has_unfinished_requests():
         engine.step()
     return decode_times, read_times

@@ -60,7 +60,11 @@ async def tracked_generate(state: ServerState, engine: AsyncLLM, request: Engine
                 metrics.tokens(model, tier, len(request.prompt_token_ids), 0)
                 record.first_token_time = now
             else:
-                metrics.inter_token_latency(model, now - last)
+                # One output may bring several tokens (a multi-step run, accepted drafts): the gap
+                # is shared among them, one observation each, so the histogram stays per token.
+                gap = (now - last) / new_tokens
+                for _ in range(new_tokens):
+                    metrics.inter_token_latency(model, gap)
             metrics.tokens(model, tier, 0, new_tokens)
             last = now
         record.completion_tokens += new_tokens
