@@ -30,6 +30,19 @@ def test_decode_runs_in_its_own_process(tiny_llama, tmp_path):
     assert len(result["window_fractions"]) == 8 and result["decode_bandwidth_fraction"] > 0
 
 
+def logging_steps(llm: LLM, order: list[str], monkeypatch):
+    """llm's engine, with each step logged as "s" in `order`."""
+    engine = llm.engine
+    step = engine.step
+
+    def logged_step():
+        order.append("s")
+        return step()
+
+    monkeypatch.setattr(engine, "step", logged_step)
+    return engine
+
+
 def test_paired_steps_run_in_bursts_of_steps_then_reads(tiny_llama, monkeypatch):
     """With burst=4, ten decode steps come as 4 steps then 4 reads, 4 and 4, 2 and 2: each step in
     its steady state; every step and every read is timed."""
@@ -42,14 +55,7 @@ def test_paired_steps_run_in_bursts_of_steps_then_reads(tiny_llama, monkeypatch)
 
     monkeypatch.setattr(compare, "stream_reader", fake_reader)
     llm = LLM(str(tiny_llama), show_progress=False, kv_cache_memory=2**26, num_scheduler_steps=1)
-    engine = llm.engine
-    step = engine.step
-
-    def logged_step():
-        order.append("s")
-        return step()
-
-    monkeypatch.setattr(engine, "step", logged_step)
+    engine = logging_steps(llm, order, monkeypatch)
     decode_times, read_times = compare.paired_decode_steps(engine, 8, 10, 4096, burst=4)
     assert len(decode_times) == len(read_times) == 10
     # One read to page the buffer in and the prefill step first, then the bursts; steps after the
@@ -71,14 +77,7 @@ def test_paired_steps_count_the_tokens_of_multi_step_runs(tiny_llama, monkeypatc
     monkeypatch.setattr(compare, "stream_reader", lambda buffer: lambda: order.append("r"))
     monkeypatch.setattr(scheduler_module, "MULTI_STEP_SECONDS", 1e9)  # runs however slow the machine
     llm = LLM(str(tiny_llama), show_progress=False, kv_cache_memory=2**26, num_scheduler_steps=4)
-    engine = llm.engine
-    step = engine.step
-
-    def logged_step():
-        order.append("s")
-        return step()
-
-    monkeypatch.setattr(engine, "step", logged_step)
+    engine = logging_steps(llm, order, monkeypatch)
     decode_times, read_times = compare.paired_decode_steps(engine, 8, 10, 4096, burst=4)
     assert len(decode_times) == len(read_times) == 10
     # The prefill, then runs of 4, 4 and the 2 max_tokens leaves, each followed by its reads.
