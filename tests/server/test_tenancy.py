@@ -19,10 +19,13 @@ START_TIMEOUT = 240.0
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory, tiny_llama):
-    """One server per policy; two sequences per step so queues form at once."""
+    """One server per policy; two sequences per step so queues form at once. Single steps: the
+    tests need the background work to outlast the client's sending it, and runs of forwards
+    (multi-step decoding, while nobody waits yet) finish the tiny model's first two in under a second."""
     directory = tmp_path_factory.mktemp("tenancy")
     started = {policy: start_server(tiny_llama, directory, "--max-num-seqs", "2", "--max-waiting", "512",
-                                    "--scheduling-policy", policy, "--batch-db", "none", timeout=START_TIMEOUT)
+                                    "--scheduling-policy", policy, "--batch-db", "none",
+                                    "--num-scheduler-steps", "1", timeout=START_TIMEOUT)
                for policy in ("priority", "fcfs")}
     yield started
     for server in started.values():
