@@ -290,8 +290,8 @@ class EngineArgs:
                                 "speculative decoding or LoRA, which it does not combine with). Runs happen "
                                 "while nobody waits, for sequences without penalties, min_tokens or a "
                                 "grammar, and last at most ~25 ms; tokens reach clients in groups of up to "
-                                "this many. It saves the per-token bookkeeping: ~15%% of the time per token "
-                                "at one stream on a CPU")
+                                "this many. It saves the per-token bookkeeping: 6-22%% of the time per token "
+                                "served at one request on a CPU")
         group.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
         group.add_argument("--enforce-eager", action="store_true",
                            help="CUDA: launch every step's kernels one by one instead of replaying "

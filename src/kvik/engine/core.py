@@ -36,7 +36,7 @@ from kvik.engine.lora_manager import AdapterManager
 from kvik.engine.messages import (EngineCoreOutput, EngineCoreRequest, EngineInfo, EngineStats, LoRAAdapterInfo,
                                   PoolingInfo)
 from kvik.engine.model_runner import ModelRunner
-from kvik.engine.request import Request, RequestGroup, RequestStatus
+from kvik.engine.request import Request, RequestGroup, RequestStatus, check_stop
 from kvik.engine.sampler import Sampler, prompt_logprobs_for
 from kvik.engine.scheduler import SampledTokens, ScheduledChunk, Scheduler
 from kvik.engine.spec_decode import SpecDecoder, build_spec_decoder
@@ -410,7 +410,11 @@ class EngineCore:
         tokens of this run, and the draws happen in the order single steps would make them.
         Returns the number of forwards the whole step ran."""
         requests = [chunk.request for chunk in chunks]
-        live = [not self._stops(request, token) for request, token in zip(requests, token_ids)]
+        # A token that ends its sequence. The sequences are as before the run (their tokens are
+        # appended by the scheduler's update), which leaves check_stop the stop and end-of-sequence
+        # tokens to find: runs are capped by max_tokens and the context, and have no min_tokens.
+        eos, max_len = self.scheduler.eos_token_ids, self.max_model_len
+        live = [check_stop(request, token, eos, max_len) is None for request, token in zip(requests, token_ids)]
         for step in range(1, num_steps):
             if not any(live):
                 return step
@@ -422,14 +426,9 @@ class EngineCore:
                 entry.token_ids.append(token)
                 if entry.logprobs is not None:
                     entry.logprobs.append(logprob)
-                if live[row] and self._stops(request, token):
+                if live[row] and check_stop(request, token, eos, max_len) is not None:
                     live[row] = False
         return num_steps
-
-    def _stops(self, request: Request, token_id: int) -> bool:
-        params = request.params
-        return (token_id in params.stop_token_ids
-                or (not params.ignore_eos and token_id in self.scheduler.eos_token_ids))
 
     def _advance_grammars(self, requests: list[Request], token_ids: list[int]) -> list[EngineCoreOutput]:
         """Advance each constrained sequence's matcher by its new token. The mask makes a rejection

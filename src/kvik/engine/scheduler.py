@@ -27,10 +27,10 @@ Multi-step decoding (`num_scheduler_steps` > 1): a step in which every chunk is 
 plain decode (no drafts, grammar, penalties, min_tokens, pooling or prompt logprobs) and nobody
 waits runs up to that many forwards back to back, each feeding the tokens sampled by the one before
 (`SchedulerOutput.num_steps`; the core drives them), as many as fit in MULTI_STEP_SECONDS at the
-last step's pace. The scheduler allocates the blocks for them up
-front (if they do not all fit, the step is a single one) and caps the count by every sequence's
-remaining max_tokens and context. The sampled tokens come back as one list per sequence, as after
-a verification, so the bookkeeping below is the same; tokens after a stop are dropped there.
+last step's pace. The scheduler allocates the blocks for them up front (if they do not all fit, the
+step is a single one) and caps the count by every sequence's remaining max_tokens and context. The
+sampled tokens come back as one list per sequence, as after a verification, so the bookkeeping
+below is the same; tokens after a stop are dropped there.
 
 After the model ran, `update_from_output` owns the bookkeeping: it appends the sampled tokens (one,
 or for a verified chunk the accepted drafts plus one), applies the token-level stop conditions after
