@@ -32,4 +32,7 @@ def test_a_stream_from_runs_equals_single_steps_and_counts_every_token(server, s
     after = httpx.get(f"{server.url}/metrics").text
     name = 'kvik:inter_token_latency_seconds_count{model_name="tiny"}'
     observed = metric_value(after, name) - (metric_value(before, name) if name in before else 0)
-    assert observed == tokens - 1  # one gap per token after the first, however they were grouped
+    # One gap per token after the first output (the first token's, plus any the API process merged
+    # into it when the client read slower than the engine made them), however they were grouped.
+    assert observed == tokens - len(chunks[0].logprobs.tokens)
+    assert observed >= tokens // 2
