@@ -49,8 +49,10 @@ SYSTEM_PROMPT = ("You are the terse assistant of the kvik gateway prefix affinit
 @pytest.fixture(scope="module")
 def replicas(tiny_llama: Path, workdir: Path) -> Iterator[list[KvikServe]]:
     """Two kvik serve replicas of the tiny Llama, loading in parallel; one gets killed and restarted."""
-    # The whole 2048-position context, so LONG_ANSWER fits.
-    pair = [KvikServe(name, tiny_llama, free_port(), workdir, grpc_port=free_port(), extra=("--max-model-len", "2048"))
+    # The whole 2048-position context, so LONG_ANSWER fits. Single steps: in runs of forwards
+    # (multi-step decoding) the tiny model can write LONG_ANSWER before a 0.5 s client timeout.
+    pair = [KvikServe(name, tiny_llama, free_port(), workdir, grpc_port=free_port(),
+                      extra=("--max-model-len", "2048", "--num-scheduler-steps", "1"))
             for name in ("r1", "r2")]
     try:
         for replica in pair:

@@ -37,10 +37,12 @@ LONG = 480  # tokens: far more than a test waits for, within the 512-token conte
 
 @pytest.fixture(scope="module")
 def served(server_factory) -> tuple[ServerProcess, str]:
-    """A server with a key and room for two sequences (so overload is easy to reach)."""
+    """A server with a key and room for two sequences (so overload is easy to reach). Single steps:
+    the deadline and overload tests need a long answer to still be generating, and in runs of
+    forwards (multi-step decoding) the tiny model can write its 480 tokens in well under 0.1 s."""
     grpc_port = free_port()
     server = server_factory("--grpc-port", str(grpc_port), "--api-key", KEY, "--max-num-seqs", "2",
-                            "--max-waiting", "0")
+                            "--max-waiting", "0", "--num-scheduler-steps", "1")
     return server, f"127.0.0.1:{grpc_port}"
 
 
