@@ -105,10 +105,7 @@ class ModelRunner:
         return block_size * kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
 
     def execute(self, chunks: list[ScheduledChunk]) -> RunnerOutput:
-        if torch.is_inference_mode_enabled():  # the engine process's loop runs in it throughout
-            return self._execute(chunks)
-        with torch.inference_mode():
-            return self._execute(chunks)
+        return _in_inference_mode(self._execute, chunks)
 
     def _execute(self, chunks: list[ScheduledChunk]) -> RunnerOutput:
         plain = self._plain_decode(chunks)
@@ -210,10 +207,7 @@ class ModelRunner:
         `chunks`: row i computes token_ids[i], sampled from the forward before, at position
         chunk.start + step, in a slot the scheduler allocated for the run. Returns the rows'
         logits, (rows, vocab) float32."""
-        if torch.is_inference_mode_enabled():
-            return self._decode_rows(chunks, token_ids, step)
-        with torch.inference_mode():
-            return self._decode_rows(chunks, token_ids, step)
+        return _in_inference_mode(self._decode_rows, chunks, token_ids, step)
 
     def _decode_rows(self, chunks: list[ScheduledChunk], ids: list[int], step: int) -> torch.Tensor:
         size = self.block_size
@@ -341,6 +335,15 @@ class ModelRunner:
             meta.prefills.append(span)
             offset += chunk.num_new_tokens
         return meta
+
+
+def _in_inference_mode(function, *args):
+    """function(*args) under torch.inference_mode, entered only when not already on (the engine
+    process's loop runs in it throughout)."""
+    if torch.is_inference_mode_enabled():
+        return function(*args)
+    with torch.inference_mode():
+        return function(*args)
 
 
 def lora_segments(ordered: list[ScheduledChunk]) -> list[tuple[int, int, int]]:
