@@ -518,20 +518,24 @@ inline __m512i broadcast4(const uint8_t* p) {
   return _mm512_set1_epi32(word);
 }
 
-// Rows of x rounded to int8 per block of 32 inputs. For int8 weights the codes are stored plus 128
-// (unsigned, vpdpbusd's first operand; the weights are its signed one) and the kernel subtracts 128
-// times each block's weight sum; for int4 (unsigned nibbles) they stay signed.
+// Rows of x rounded to int8 per block of 32 inputs, the codes signed: vpdpbusd's second operand.
+// Its first, unsigned, is the weights: int4's nibbles as they are, int8's codes plus 128 (flipping
+// the sign bit after the load), so an int8 block's sum comes out 128 x (the block's code sum) too
+// high, and the kernel subtracts that, one number per row and block (`correction`). The earlier
+// way round (activation codes plus 128, weights signed) had to subtract 128 x each row's weight
+// sum instead, one more vpdpbusd per 64 weight bytes.
 struct QuantizedRows {
-  std::vector<uint8_t> codes;     // rows x in_features
-  std::vector<float> scales;      // rows x blocks of 32
-  std::vector<float> group_sums;  // int4: rows x groups, sum of the rounded x over each weight group
+  std::vector<uint8_t> codes;      // rows x in_features
+  std::vector<float> scales;       // rows x blocks of 32
+  std::vector<int32_t> correction; // rows x blocks of 32: 128 x the block's sum of codes
+  std::vector<float> group_sums;   // int4: rows x groups, sum of the rounded x over each weight group
 };
 
-void quantize_rows(const float* x, int64_t rows, int64_t in_features, bool plus128, int64_t group,
-                   QuantizedRows& out) {
+void quantize_rows(const float* x, int64_t rows, int64_t in_features, int64_t group, QuantizedRows& out) {
   const int64_t blocks = in_features / kActBlock, groups = group ? (in_features + group - 1) / group : 0;
   out.codes.resize(rows * in_features);
   out.scales.resize(rows * blocks);
+  out.correction.resize(rows * blocks);
   out.group_sums.assign(rows * groups, 0.f);
   const __m512 sign_off = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
@@ -546,14 +550,11 @@ void quantize_rows(const float* x, int64_t rows, int64_t in_features, bool plus1
         const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inverse)));
         const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inverse)));
         const float scale = amax / 127.f;
+        const int32_t code_sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
         out.scales[r * blocks + b] = scale;
-        if (groups) out.group_sums[r * groups + b * kActBlock / group] +=
-            scale * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
-        __m128i c0 = _mm512_cvtepi32_epi8(q0), c1 = _mm512_cvtepi32_epi8(q1);
-        if (plus128) {
-          c0 = _mm_xor_si128(c0, _mm_set1_epi8(static_cast<char>(0x80)));  // q + 128 as uint8
-          c1 = _mm_xor_si128(c1, _mm_set1_epi8(static_cast<char>(0x80)));
-        }
+        out.correction[r * blocks + b] = code_sum * 128;
+        if (groups) out.group_sums[r * groups + b * kActBlock / group] += scale * static_cast<float>(code_sum);
+        const __m128i c0 = _mm512_cvtepi32_epi8(q0), c1 = _mm512_cvtepi32_epi8(q1);
         uint8_t* dst = out.codes.data() + r * in_features + b * kActBlock;
         _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), c0);
         _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), c1);
@@ -638,58 +639,58 @@ void block_int4_vnni(const uint8_t* w, const c10::Half* scales, const c10::Half*
   for (int m = 0; m < M; ++m) _mm512_storeu_ps(out[m], total[m]);
 }
 
-// The same for int8 weights (signed) and codes stored plus 128: per block of 32 inputs,
-// sum (q + 128) w = sum q w + 128 sum w, and the weight sum comes from one more vpdpbusd with ones.
-// Scales per row (kGrouped false: `row_scales`, applied once at the end) or per group of `group`
-// inputs (float16 `group_scales`, folded into each block's activation scale: one multiply per block
-// and row, where a separate sum per group cost a prompt 10-20 %).
-// A prompt's passes read an int8 block from unpack_int8_block's buffer instead: per block of 32
-// inputs, the 8 permuted operands and the correction (128 x the weight sums), 9 vectors, made once
-// per call, so a pass does only the M vpdpbusd per 4 inputs.
-constexpr int64_t kInt8UnpackedVectors = 9;
+// The same for int8 weights: per block of 32 inputs, the weights' codes plus 128 (the sign bit
+// flipped after the permute) times the signed activation codes, less 128 x the codes' sum
+// (QuantizedRows::correction). Scales per row (kGrouped false: `row_scales`, applied once at the
+// end) or per group of `group` inputs (float16 `group_scales`, folded into each block's activation
+// scale: one multiply per block and row, where a separate sum per group cost a prompt 10-20 %).
+// A prompt's passes read an int8 block from unpack_int8_block's buffer instead: the permuted,
+// flipped operands, 8 vectors per block of 32 inputs, made once per call, so a pass does only the
+// M vpdpbusd per 4 inputs.
+inline __m512i int8_operand(const int8_t* wk, __m512i index) {
+  return _mm512_xor_si512(_mm512_permutexvar_epi8(index, _mm512_loadu_si512(wk)),
+                          _mm512_set1_epi8(static_cast<char>(0x80)));
+}
 
 void unpack_int8_block(const int8_t* w, int64_t in_features, __m512i* out) {
-  const __m512i index = _mm512_load_si512(kLaneIndex.int8), ones = _mm512_set1_epi8(1);
-  for (int64_t b = 0; b < in_features / kActBlock; ++b) {
-    __m512i sums = _mm512_setzero_si512();
-    for (int step = 0; step < 8; ++step) {
-      const __m512i wv = _mm512_permutexvar_epi8(index, _mm512_loadu_si512(w + (b * kActBlock + step * 4) * kBlock));
-      sums = _mm512_dpbusd_epi32(sums, ones, wv);
-      out[b * kInt8UnpackedVectors + step] = wv;
-    }
-    out[b * kInt8UnpackedVectors + 8] = _mm512_slli_epi32(sums, 7);
-  }
+  const __m512i index = _mm512_load_si512(kLaneIndex.int8);
+  for (int64_t k = 0; k < in_features; k += 4) out[k / 4] = int8_operand(w + k * kBlock, index);
 }
 
 template <int M, bool kGrouped, bool kUnpacked = false>
 void block_int8_vnni(const int8_t* w, const float* row_scales, const c10::Half* group_scales, const uint8_t* codes,
-                     int64_t in_features, const float* act_scales, int64_t group, float (*out)[kBlock]) {
-  const __m512i index = _mm512_load_si512(kLaneIndex.int8), ones = _mm512_set1_epi8(1);
+                     int64_t in_features, const float* act_scales, const int32_t* correction, int64_t group,
+                     float (*out)[kBlock]) {
+  const __m512i index = _mm512_load_si512(kLaneIndex.int8);
   const int64_t blocks = in_features / kActBlock, per_group = kGrouped ? group / kActBlock : 1;
   const int64_t ahead = prefetch_ahead();
   __m512 total[M];
   for (int m = 0; m < M; ++m) total[m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    __m512i acc[M], sums = _mm512_setzero_si512();
-    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_si512();
-    const auto* unpacked = reinterpret_cast<const __m512i*>(w) + b * kInt8UnpackedVectors;
+    // One row: two chains (even and odd steps), so a vpdpbusd does not wait on the one before it
+    // (latency 5): with one chain a one-row call ran from cache at ~38 GB/s per core,
+    // latency-bound, with no slack left to hide memory stalls.
+    constexpr int C = M == 1 ? 2 : 1;
+    __m512i acc[C * M];
+    for (int m = 0; m < C * M; ++m) acc[m] = _mm512_setzero_si512();
 #pragma GCC unroll 8
     for (int step = 0; step < 8; ++step) {
       const int64_t k = b * kActBlock + step * 4;
+      const int c = (step % C) * M;
       __m512i wv;
       if (kUnpacked) {
-        wv = _mm512_load_si512(unpacked + step);
+        wv = _mm512_load_si512(reinterpret_cast<const __m512i*>(w) + k / 4);
       } else {
         const int8_t* wk = w + k * kBlock;
         __builtin_prefetch(wk + ahead, 0, 1);
-        wv = _mm512_permutexvar_epi8(index, _mm512_loadu_si512(wk));
-        sums = _mm512_dpbusd_epi32(sums, ones, wv);
+        wv = int8_operand(wk, index);
       }
 #pragma GCC unroll 4
       for (int m = 0; m < M; ++m)
-        acc[m] = _mm512_dpbusd_epi32(acc[m], broadcast4(codes + m * in_features + k), wv);
+        acc[c + m] = _mm512_dpbusd_epi32(acc[c + m], wv, broadcast4(codes + m * in_features + k));
     }
-    const __m512i correction = kUnpacked ? _mm512_load_si512(unpacked + 8) : _mm512_slli_epi32(sums, 7);
+    if (C == 2)
+      for (int m = 0; m < M; ++m) acc[m] = _mm512_add_epi32(acc[m], acc[M + m]);
     __m512 weight_scale = _mm512_set1_ps(1.f);
     if (kGrouped)
       weight_scale = _mm512_cvtph_ps(
@@ -697,7 +698,8 @@ void block_int8_vnni(const int8_t* w, const float* row_scales, const c10::Half* 
     for (int m = 0; m < M; ++m) {
       const __m512 scale = kGrouped ? _mm512_mul_ps(weight_scale, _mm512_set1_ps(act_scales[m * blocks + b]))
                                     : _mm512_set1_ps(act_scales[m * blocks + b]);
-      total[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[m], correction)), scale, total[m]);
+      const __m512i exact = _mm512_sub_epi32(acc[m], _mm512_set1_epi32(correction[m * blocks + b]));
+      total[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), scale, total[m]);
     }
   }
   const __m512 scale = kGrouped ? _mm512_set1_ps(1.f) : _mm512_loadu_ps(row_scales);
@@ -1032,6 +1034,7 @@ void run_block_int8_dot(const WeightView& v, int64_t block, const QuantizedRows&
   const int64_t in_features = v.in_features, blocks = in_features / kActBlock;
   const uint8_t* codes = x.codes.data() + r * in_features;
   const float* act_scales = x.scales.data() + r * blocks;
+  const int32_t* correction = x.correction.data() + r * blocks;
   if (v.format == kvik::kInt8) {
     const auto* w = static_cast<const int8_t*>(v.data) + block * in_features * kBlock;
     const auto* u = reinterpret_cast<const int8_t*>(unpacked);
@@ -1040,11 +1043,15 @@ void run_block_int8_dot(const WeightView& v, int64_t block, const QuantizedRows&
     with_rows(rows, [&](auto m) {
       constexpr int M = decltype(m)::value;
       if (u && group_scales)
-        return block_int8_vnni<M, true, true>(u, nullptr, group_scales, codes, in_features, act_scales, v.group, out);
-      if (u) return block_int8_vnni<M, false, true>(u, row_scales, nullptr, codes, in_features, act_scales, 0, out);
+        return block_int8_vnni<M, true, true>(u, nullptr, group_scales, codes, in_features, act_scales, correction,
+                                              v.group, out);
+      if (u)
+        return block_int8_vnni<M, false, true>(u, row_scales, nullptr, codes, in_features, act_scales, correction, 0,
+                                               out);
       if (group_scales)
-        return block_int8_vnni<M, true>(w, nullptr, group_scales, codes, in_features, act_scales, v.group, out);
-      block_int8_vnni<M, false>(w, row_scales, nullptr, codes, in_features, act_scales, 0, out);
+        return block_int8_vnni<M, true>(w, nullptr, group_scales, codes, in_features, act_scales, correction,
+                                        v.group, out);
+      block_int8_vnni<M, false>(w, row_scales, nullptr, codes, in_features, act_scales, correction, 0, out);
     });
     return;
   }
@@ -1174,11 +1181,10 @@ void weight_only_linear_into(const float* xp, int64_t rows, const LinearWeight& 
     // parallel tasks below must read this (the calling) thread's.
     thread_local QuantizedRows rows_buffer;
     QuantizedRows& quantized = rows_buffer;
-    quantize_rows(xp, rows, in_features, weight.format == kInt8, weight.format == kInt4 ? weight.group : 0,
-                  quantized);
+    quantize_rows(xp, rows, in_features, weight.format == kInt4 ? weight.group : 0, quantized);
     // More than one pass of rows: unpack each block once (unpack_int4_block, unpack_int8_block).
     const bool int4 = weight.format == kInt4, unpack = rows > kRows;
-    const int64_t operand_vectors = int4 ? in_features / 4 : in_features / kActBlock * kInt8UnpackedVectors;
+    const int64_t operand_vectors = in_features / 4;  // int4: two per 8 inputs, int8: one per 4
     kvik::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
       // Passes of four rows, as below (eight ran a 512-row prompt at 0.7x the speed: the
       // accumulators no longer fit in the 32 vector registers).
