@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from kvik.model.layers.cpu_kernels import cpu_kernels
 from kvik.model.layers.kv_cache import PagedKVCache, quantize_kv
 from kvik.model.quant.linear import WeightOnlyLinear
+from kvik.model.quant.reference import Int4Weight, Int8Weight
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +126,40 @@ def test_int8_activations_are_per_row_and_bounded(kernels, kind, group, zero_poi
         bound = (reference.abs().double().reshape(80, -1, 32).sum(-1) @ step.t()).t() / 2  # (rows, out)
         error = (batch.double() - exact).abs()
         assert torch.all(error <= bound * 1.001 + 1e-5 * exact.abs() + 1e-6)
+
+
+@pytest.mark.parametrize("group", [0, 32])
+def test_extreme_codes_come_out_exact(kernels, code_path, group):
+    """The kernels' integer tricks at the ends of the ranges: int8 codes of -128 (a Q8_0 file may
+    hold them; kvik's own quantizer stops at -127) and 127 (the VNNI kernel flips their sign bit
+    into vpdpbusd's unsigned operand), int4 nibbles of 0 and 15 (the high ones multiplied in place
+    as 16 x their value), against activations at their own extremes (rounded codes of +-127)."""
+    torch.manual_seed(3)
+    rows, columns = 48, 256
+    values = torch.randint(-128, 128, (rows, columns), dtype=torch.int8)
+    values[0], values[1], values[2, ::2], values[2, 1::2] = -128, 127, -128, 127
+    scales = (torch.rand(rows, columns // group) + 0.5).half() if group else torch.rand(rows) + 0.5
+    layer8 = WeightOnlyLinear.from_int8(Int8Weight(values, scales, group))
+    nibbles = torch.randint(0, 16, (rows, columns), dtype=torch.uint8)
+    nibbles[0], nibbles[1], nibbles[2, ::2], nibbles[2, 1::2] = 0, 15, 0, 15
+    layer4 = WeightOnlyLinear.from_int4(Int4Weight(nibbles, (torch.rand(rows, columns // 64) + 0.5).half(),
+                                                   None, 64))
+    x = torch.randn(5, columns)
+    x[1] = 1.0  # every code 127
+    x[2, ::2], x[2, 1::2] = -1.0, 1.0
+    for layer in (layer8, layer4):
+        reference = layer.dequantize()
+        layer.enable_kernels(kernels)
+        rounded = layer.kernel_weight().int8_activations()
+        with torch.inference_mode():
+            for count in (1, 2, 5):  # one row, a pass of rows, a prompt's unpacked operands
+                inputs = round_activations(x[:count]) if rounded else x[:count]
+                expected = F.linear(inputs.double(), reference.double())
+                # float32 sums of terms up to ~190 in size: their rounding, relative to the terms'
+                # magnitudes (an integer slip in a product would be off by a whole weight step)
+                bound = 1e-5 * F.linear(inputs.abs().double(), reference.abs().double()) + 1e-4
+                error = (layer(x[:count]).double() - expected).abs()
+                assert torch.all(error <= bound), (layer.kind, count, float((error / bound).max()))
 
 
 @pytest.mark.parametrize("kind,group,zero_point", [("bfloat16", 0, False), ("int8", 0, False),
