@@ -19,13 +19,15 @@ START_TIMEOUT = 240.0
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory, tiny_llama):
-    """One server per policy; two sequences per step so queues form at once. Single steps: the
-    tests need the background work to outlast the client's sending it, and runs of forwards
-    (multi-step decoding, while nobody waits yet) finish the tiny model's first two in under a second."""
+    """One server per policy; two sequences per step so queues form at once. Single steps and a
+    context of 2048 (for background requests of 2000 tokens): the tests need the background work to
+    outlast the client's sending it, and runs of forwards (multi-step decoding, while nobody waits
+    yet) finish the tiny model's first two in under a second."""
     directory = tmp_path_factory.mktemp("tenancy")
     started = {policy: start_server(tiny_llama, directory, "--max-num-seqs", "2", "--max-waiting", "512",
                                     "--scheduling-policy", policy, "--batch-db", "none",
-                                    "--num-scheduler-steps", "1", timeout=START_TIMEOUT)
+                                    "--num-scheduler-steps", "1", "--max-model-len", "2048",
+                                    timeout=START_TIMEOUT)
                for policy in ("priority", "fcfs")}
     yield started
     for server in started.values():
@@ -62,13 +64,15 @@ def test_an_interactive_request_overtakes_queued_background_work_only_with_prior
         with lock:
             finished.append(name)
 
-    # Long enough that the engine, not HTTP, is the bottleneck: each takes hundreds of steps.
-    background = [threading.Thread(target=send, args=(f"bg{i}", 10, 400)) for i in range(8)]
+    # Long enough that the engine, not HTTP, is the bottleneck: each takes 2000 steps (400
+    # once let the first two finish before a loaded CI machine's client had sent all eight).
+    background = [threading.Thread(target=send, args=(f"bg{i}", 10, 2000)) for i in range(8)]
     for thread in background:
         thread.start()
     # Two run, six wait. This assumes the client submits all eight before the first two finish
-    # (~2 s of engine time on the tiny model); on a heavily loaded machine it may not, and the queue
-    # never forms: fail at once saying so, rather than spin until the suite's timeout.
+    # (~0.4 s of engine time on the tiny model, single steps); on a heavily loaded machine it may
+    # not, and the queue never forms: fail at once saying so, rather than spin until the suite's
+    # timeout.
     deadline, peak = time.monotonic() + 60, 0
     while (now_waiting := waiting(server)) < 6:
         peak = max(peak, now_waiting)
