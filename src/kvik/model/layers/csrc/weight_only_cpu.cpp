@@ -566,12 +566,13 @@ void quantize_rows(const float* x, int64_t rows, int64_t in_features, int64_t gr
 }
 
 // One block's chunk of inputs k..k+7 (64 bytes) as the two vpdpbusd operands: lane L of wa holds
-// row L's codes of inputs k..k+3 (the low nibbles), of wb those of k+4..k+7 (the high ones).
+// row L's codes of inputs k..k+3 (the low nibbles), of wb those of k+4..k+7 (the high ones), left
+// in place: 16 x their value, still within the unsigned byte, so one mask each and no shift per 64
+// bytes; the kernel divides their sums by 16 (exactly, a shift) once per block.
 inline void unpack_int4_8(const uint8_t* wk, __m512i& wa, __m512i& wb) {
-  const __m512i low4 = _mm512_set1_epi8(15);
   const __m512i raw = _mm512_loadu_si512(wk);
-  wa = _mm512_and_si512(raw, low4);
-  wb = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+  wa = _mm512_and_si512(raw, _mm512_set1_epi8(0x0f));
+  wb = _mm512_and_si512(raw, _mm512_set1_epi8(static_cast<char>(0xf0)));
 }
 
 // A prompt's rows pass over each block of weights many times (four rows a pass): the nibbles are
@@ -610,14 +611,9 @@ void block_int4_vnni(const uint8_t* w, const c10::Half* scales, const c10::Half*
           wa = _mm512_load_si512(operands);
           wb = _mm512_load_si512(operands + 1);
         } else {
-          // The high nibbles stay in place, 16 x their value (still within the unsigned byte):
-          // one mask instead of a shift and a mask per 64 bytes; their sums are divided by 16
-          // (exactly, a shift) once per block below.
           const uint8_t* wk = w + int4_chunk_offset(k);
           __builtin_prefetch(wk + ahead, 0, 1);
-          const __m512i raw = _mm512_loadu_si512(wk);
-          wa = _mm512_and_si512(raw, _mm512_set1_epi8(0x0f));
-          wb = _mm512_and_si512(raw, _mm512_set1_epi8(static_cast<char>(0xf0)));
+          unpack_int4_8(wk, wa, wb);
         }
         const int c = (step % C) * M;
 #pragma GCC unroll 4
@@ -631,8 +627,7 @@ void block_int4_vnni(const uint8_t* w, const c10::Half* scales, const c10::Half*
           acc_a[m] = _mm512_add_epi32(acc_a[m], acc_a[M + m]);
           acc_b[m] = _mm512_add_epi32(acc_b[m], acc_b[M + m]);
         }
-      if (!kUnpacked)
-        for (int m = 0; m < M; ++m) acc_b[m] = _mm512_srai_epi32(acc_b[m], 4);
+      for (int m = 0; m < M; ++m) acc_b[m] = _mm512_srai_epi32(acc_b[m], 4);  // the high nibbles' 16x
       for (int m = 0; m < M; ++m)
         partial[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(acc_a[m], acc_b[m])),
                                      _mm512_set1_ps(act_scales[m * blocks + b]), partial[m]);
