@@ -32,17 +32,18 @@ from tests.support.processes import ServerProcess, free_port  # noqa: E402
 SERVICE = "kvik.inference.v1.Inference"
 KEY = "grpc-test-key"
 AUTH = (("authorization", f"Bearer {KEY}"),)
-LONG = 480  # tokens: far more than a test waits for, within the 512-token context
+LONG = 2000  # tokens: far more than a test waits for, within the servers' 2048-token context
 
 
 @pytest.fixture(scope="module")
 def served(server_factory) -> tuple[ServerProcess, str]:
-    """A server with a key and room for two sequences (so overload is easy to reach). Single steps:
-    the deadline and overload tests need a long answer to still be generating, and in runs of
-    forwards (multi-step decoding) the tiny model can write its 480 tokens in well under 0.1 s."""
+    """A server with a key and room for two sequences (so overload is easy to reach). Single steps
+    and a 2048-token context: the deadline, cancel and overload tests need a long answer to still be
+    generating. In runs of forwards (multi-step decoding) the tiny model can write 480 tokens in
+    well under 0.1 s, and on a fast machine 500 single steps took 0.11 s (4,400 tokens/s)."""
     grpc_port = free_port()
     server = server_factory("--grpc-port", str(grpc_port), "--api-key", KEY, "--max-num-seqs", "2",
-                            "--max-waiting", "0", "--num-scheduler-steps", "1")
+                            "--max-waiting", "0", "--num-scheduler-steps", "1", "--max-model-len", "2048")
     return server, f"127.0.0.1:{grpc_port}"
 
 
@@ -134,7 +135,7 @@ def test_a_cancelled_stream_aborts_the_engine_request(served, stub) -> None:
 def test_a_passed_deadline_is_deadline_exceeded_and_aborts(served, stub) -> None:
     server, _ = served
     before = metric_value(metrics(server), "kvik:generation_tokens_total")
-    # 50 ms: on a quiet machine the tiny model writes all 480 tokens in about 0.3 s.
+    # 50 ms: the tiny model's 2000 single steps take about 0.45 s on a fast machine.
     with pytest.raises(grpc.RpcError) as caught:
         stub.Chat(chat_request("Another long story", LONG, ignore_eos=True), metadata=AUTH, timeout=0.05)
     assert caught.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
@@ -159,7 +160,7 @@ def test_bad_input_is_invalid_argument_saying_what_to_fix(stub) -> None:
                            metadata=AUTH), "messages.0.role", "messages.0.role:"),
         (lambda: stub.Generate(pb.GenerateRequest(model="tiny"), metadata=AUTH), "prompt", "prompt: set"),
         (lambda: stub.Generate(pb.GenerateRequest(model="tiny", text="hi", sampling=pb.SamplingParams(
-            max_tokens=100_000)), metadata=AUTH), "max_tokens", "maximum context length is 512"),
+            max_tokens=100_000)), metadata=AUTH), "max_tokens", "maximum context length is 2048"),
         (lambda: stub.Chat(pb.ChatRequest(model="tiny", messages=[pb.ChatMessage(
             role="user", parts=pb.ContentParts(parts=[pb.ContentPart(type="image_url")]))]), metadata=AUTH),
          "messages.0.content", "messages[0].content: part type 'image_url' is not supported"),
@@ -251,7 +252,8 @@ def test_draining_is_unavailable_and_health_turns_not_serving(server_factory) ->
 def test_an_engine_death_is_unavailable_and_health_turns_not_serving(server_factory) -> None:
     psutil = pytest.importorskip("psutil")
     grpc_port = free_port()
-    server = server_factory("--grpc-port", str(grpc_port))
+    # Single steps and room for LONG tokens: the stream must still be running when its engine dies.
+    server = server_factory("--grpc-port", str(grpc_port), "--num-scheduler-steps", "1", "--max-model-len", "2048")
     assert server.process is not None
     engines = [child for child in psutil.Process(server.process.pid).children()
                if any("libtorch" in m.path for m in child.memory_maps())]

@@ -19,7 +19,10 @@ def single_steps(tiny_llama):
 def test_a_stream_from_runs_equals_single_steps_and_counts_every_token(server, single_steps):
     client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
     before = httpx.get(f"{server.url}/metrics").text
-    tokens = 60
+    # 300: the API process merges into the first chunk whatever the engine made before the client's
+    # first read (41 of 60 tokens in one clean-clone run on a fast machine), so a short answer can
+    # leave too few later tokens to tell a count per token from a count per chunk.
+    tokens = 300
     stream = client.completions.create(model="tiny", prompt="Once upon a time", temperature=0,
                                        max_tokens=tokens, stream=True, logprobs=1,
                                        extra_body={"ignore_eos": True})
@@ -35,4 +38,5 @@ def test_a_stream_from_runs_equals_single_steps_and_counts_every_token(server, s
     # One gap per token after the first output (the first token's, plus any the API process merged
     # into it when the client read slower than the engine made them), however they were grouped.
     assert observed == tokens - len(chunks[0].logprobs.tokens)
-    assert observed >= tokens // 2
+    # Per token, not per chunk: the chunks after the first carry runs of several tokens each.
+    assert observed > 2 * (len(chunks) - 1) > 0
