@@ -8,13 +8,13 @@ whose token counts are only approximate (the server's usage chunk reports the re
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvik.core.errors import ConfigError
+from kvik.core.jsonl import jsonl_values
 
 # Common English words: about one token each in real BPE vocabularies, so N words is roughly N tokens.
 WORDS = (
@@ -128,17 +128,10 @@ def file_workload(path: Path, rng: random.Random, spec: WorkloadSpec, chat: bool
     if not path.is_file():
         raise ConfigError(f"--workload: expected random, prefix or a JSONL file; {path} is none of them")
     requests = []
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if len(requests) == spec.num_prompts:
-                break
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"{path}:{number}: not JSON ({exc})") from None
-            requests.append(_file_request(item, f"{path}:{number}", rng, spec, chat))
+    for number, item in jsonl_values(path):
+        requests.append(_file_request(item, f"{path}:{number}", rng, spec, chat))
+        if len(requests) == spec.num_prompts:
+            break  # before the next line is read: what follows the requests used is never parsed
     if not requests:
         raise ConfigError(f"{path}: no requests in the file")
     return requests

@@ -30,6 +30,7 @@ from typing import Any, Iterable, Iterator
 
 from kvik.core.config_files import file_sha256
 from kvik.core.errors import ConfigError
+from kvik.core.jsonl import jsonl_values
 
 FORMAT = "kvik-comparisons/1"
 MANIFEST = "manifest.json"  # of a directory written by `kvik data comparisons`
@@ -175,20 +176,13 @@ def parse_comparison(record: Any, where: str) -> Comparison:
 def iter_comparisons(path: str | Path) -> Iterator[Comparison]:
     """Comparisons of a JSONL file, validated line by line; ids must be unique in the file."""
     seen: dict[str, int] = {}
-    with open(path, encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise _fail(where, f"not valid JSON ({exc.msg})") from exc
-            item = parse_comparison(record, where)
-            if item.id in seen:
-                raise _fail(where, f"id {item.id!r} already used on line {seen[item.id]}")
-            seen[item.id] = number
-            yield item
+    for number, record in jsonl_values(path):
+        where = f"{path}:{number}"
+        item = parse_comparison(record, where)
+        if item.id in seen:
+            raise _fail(where, f"id {item.id!r} already used on line {seen[item.id]}")
+        seen[item.id] = number
+        yield item
 
 
 def read_comparisons(path: str | Path) -> list[Comparison]:

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import glob
 import importlib.util
-import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
 
 from kvik.core.errors import ConfigError
+from kvik.core.jsonl import jsonl_values
 from kvik.data.config import InputConfig
 from kvik.data.document import Document
 
@@ -50,13 +50,8 @@ def _format_of(path: Path, declared: str) -> str:
 
 
 def _records_jsonl(path: Path) -> Iterator[dict]:
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
-            if line.strip():
-                try:
-                    yield json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ConfigError(f"{path}:{number}: not valid JSON ({exc.msg})") from exc
+    for _, record in jsonl_values(path):
+        yield record
 
 
 def _records_parquet(path: Path, columns: list[str]) -> Iterator[dict]:

@@ -22,6 +22,7 @@ import torch
 
 from kvik.core.comparisons import MANIFEST
 from kvik.core.errors import ConfigError
+from kvik.core.jsonl import jsonl_values
 
 RewardFunction = Callable[[list[str], list[str]], Sequence[float]]
 
@@ -35,18 +36,11 @@ def read_prompts(path: str | Path) -> list[str]:
             raise ConfigError(f"data.prompts: {path} is a directory without {MANIFEST}")
         path = path / json.loads((path / MANIFEST).read_text())["splits"]["train"]["file"]
     prompts = []
-    with open(path, encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"{path}:{number}: not valid JSON ({exc.msg})") from exc
-            prompt = record.get("prompt") if isinstance(record, dict) else None
-            if not isinstance(prompt, str) or not prompt.strip():
-                raise ConfigError(f'{path}:{number}: expected {{"prompt": "..."}}')
-            prompts.append(prompt)
+    for number, record in jsonl_values(path):
+        prompt = record.get("prompt") if isinstance(record, dict) else None
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise ConfigError(f'{path}:{number}: expected {{"prompt": "..."}}')
+        prompts.append(prompt)
     if not prompts:
         raise ConfigError(f"data.prompts: {path} holds no prompt")
     return prompts
