@@ -25,14 +25,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from kvik.core.comparisons import load_comparison_splits
 from kvik.train.config import TrainConfig
 from kvik.train.distributed import all_reduce_sum
 from kvik.train.export import export
-from kvik.train.model_setup import build_model, load_tokenizer
-from kvik.train.preference_data import (PairBatch, PairSamples, collate_pairs, encode_pairs,
-                                        pad_token_id, sequence_logprobs)
-from kvik.train.task import MicroLoss, SupervisedTask
+from kvik.train.model_setup import build_model
+from kvik.train.preference_data import PairBatch, PairwiseTask, collate_pairs, pad_token_id, sequence_logprobs
+from kvik.train.task import MicroLoss
 
 if TYPE_CHECKING:
     from kvik.train.trainer import Session
@@ -52,19 +50,12 @@ def preference_loss(kind: str, beta: float, gamma: float, policy_chosen: torch.T
     return -F.logsigmoid(beta * log_ratio), beta * log_ratio
 
 
-class DPOTask(SupervisedTask):
+class DPOTask(PairwiseTask):
     name = "dpo"
     evaluate_at_start = True
 
     def __init__(self, config: TrainConfig) -> None:
-        self.config = config
-        self.tokenizer_dir = Path(config.model.init_from)
-        self.tokenizer = load_tokenizer(self.tokenizer_dir)
-        splits = load_comparison_splits(config.data.comparisons)
-        self.data_version = splits.version
-        self.train_samples = PairSamples(self.tokenizer, splits.train, config.data.seq_len,
-                                         config.seed, config.data.comparisons)
-        self.val_pairs = encode_pairs(self.tokenizer, splits.val, config.data.seq_len)
+        super().__init__(config)
         self.reference: torch.nn.Module | None = None
         self._policy: torch.nn.Module | None = None
 
@@ -103,16 +94,10 @@ class DPOTask(SupervisedTask):
                                        None if ref is None else ref[b:], tokens[:b], tokens[b:])
         return loss, margin, policy[:b] - policy[b:]
 
-    def count(self, batch: PairBatch) -> int:
-        return batch.num_pairs
-
     def micro_loss(self, model: torch.nn.Module, batch: PairBatch, autocast: Any) -> MicroLoss:
         loss, margin, _ = self._pair_terms(model, batch, autocast)
         return MicroLoss(loss.sum(), {"accuracy": (margin > 0).float().sum(),
                                       "margin": margin.detach().sum()})
-
-    def has_evaluation(self) -> bool:
-        return bool(self.val_pairs)
 
     @torch.no_grad()
     def evaluate(self, s: Session) -> dict[str, float]:

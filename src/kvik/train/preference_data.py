@@ -11,14 +11,18 @@ ids that PPO's rollouts continue.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
-from kvik.core.comparisons import Comparison
+from kvik.core.comparisons import Comparison, load_comparison_splits
 from kvik.core.errors import ConfigError
 from kvik.train.batches import EpochShuffle
-from kvik.train.sft_data import IGNORE, render_segments
+from kvik.train.config import TrainConfig
+from kvik.train.model_setup import load_tokenizer
+from kvik.train.sft_data import IGNORE, pad_rows, render_segments
+from kvik.train.task import SupervisedTask
 
 
 def has_chat_template(tokenizer: Any) -> bool:
@@ -97,15 +101,7 @@ class PairBatch:
 
 def collate_pairs(pairs: Sequence[EncodedPair], pad_id: int) -> PairBatch:
     rows = [(p.chosen, p.chosen_labels) for p in pairs] + [(p.rejected, p.rejected_labels) for p in pairs]
-    width = max(len(ids) for ids, _ in rows)
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(rows), width), IGNORE, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for row, (ids, row_labels) in enumerate(rows):
-        input_ids[row, :len(ids)] = torch.tensor(ids)
-        labels[row, :len(ids)] = torch.tensor(row_labels)
-        mask[row, :len(ids)] = 1
-    return PairBatch(input_ids, labels, mask)
+    return PairBatch(*pad_rows(rows, pad_id))
 
 
 def pad_token_id(tokenizer: Any) -> int:
@@ -137,3 +133,25 @@ def sequence_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch
     targets = labels.clamp_min(0)
     logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     return (logprobs * mask).sum(-1), mask.sum(-1)
+
+
+class PairwiseTask(SupervisedTask):
+    """A task trained on comparison pairs (the reward model, DPO): the tokenizer of the model it
+    starts from, the comparisons' train split as PairSamples and the validation split encoded once;
+    batches count pairs."""
+
+    def __init__(self, config: TrainConfig) -> None:
+        self.config = config
+        self.tokenizer_dir = Path(config.model.init_from)
+        self.tokenizer = load_tokenizer(self.tokenizer_dir)
+        splits = load_comparison_splits(config.data.comparisons)
+        self.data_version = splits.version
+        self.train_samples = PairSamples(self.tokenizer, splits.train, config.data.seq_len,
+                                         config.seed, config.data.comparisons)
+        self.val_pairs = encode_pairs(self.tokenizer, splits.val, config.data.seq_len)
+
+    def count(self, batch: PairBatch) -> int:
+        return batch.num_pairs
+
+    def has_evaluation(self) -> bool:
+        return bool(self.val_pairs)

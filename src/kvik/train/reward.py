@@ -16,14 +16,11 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 import torch.nn.functional as F
 
-from kvik.core.comparisons import load_comparison_splits
-from kvik.train.config import TrainConfig
 from kvik.train.distributed import all_reduce_sum
 from kvik.train.export import copy_tokenizer
 from kvik.train.model_setup import load_tokenizer
-from kvik.train.preference_data import (PairBatch, PairSamples, collate_pairs, encode_pairs,
-                                        encode_response, pad_token_id)
-from kvik.train.task import MicroLoss, SupervisedTask
+from kvik.train.preference_data import PairBatch, PairwiseTask, collate_pairs, encode_response, pad_token_id
+from kvik.train.task import MicroLoss
 
 if TYPE_CHECKING:
     from kvik.train.trainer import Session
@@ -52,34 +49,18 @@ def pair_rewards(model: torch.nn.Module, batch: PairBatch, autocast: Any) -> tup
     return scores[:batch.num_pairs], scores[batch.num_pairs:]
 
 
-class RewardTask(SupervisedTask):
+class RewardTask(PairwiseTask):
     name = "reward"
     evaluate_at_start = True
 
-    def __init__(self, config: TrainConfig) -> None:
-        self.config = config
-        self.tokenizer_dir = Path(config.model.init_from)
-        self.tokenizer = load_tokenizer(self.tokenizer_dir)
-        splits = load_comparison_splits(config.data.comparisons)
-        self.data_version = splits.version
-        self.train_samples = PairSamples(self.tokenizer, splits.train, config.data.seq_len,
-                                         config.seed, config.data.comparisons)
-        self.val_pairs = encode_pairs(self.tokenizer, splits.val, config.data.seq_len)
-
     def build_model(self) -> torch.nn.Module:
         return build_reward_model(self.config.model.init_from, self.tokenizer, self.config.lora)
-
-    def count(self, batch: PairBatch) -> int:
-        return batch.num_pairs
 
     def micro_loss(self, model: torch.nn.Module, batch: PairBatch, autocast: Any) -> MicroLoss:
         chosen, rejected = pair_rewards(model, batch, autocast)
         margin = chosen - rejected
         return MicroLoss(-F.logsigmoid(margin).sum(), {"accuracy": (margin > 0).float().sum(),
                                                        "margin": margin.detach().sum()})
-
-    def has_evaluation(self) -> bool:
-        return bool(self.val_pairs)
 
     @torch.no_grad()
     def evaluate(self, s: Session) -> dict[str, float]:

@@ -10,13 +10,13 @@ of the text, which chat templates do.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from kvik.core.errors import ConfigError
+from kvik.core.jsonl import jsonl_values
 from kvik.train.batches import Batch, EpochShuffle
 
 IGNORE = -100
@@ -59,18 +59,11 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict[str, Any]],
 
 def read_conversations(path: str | Path) -> list[list[dict[str, Any]]]:
     conversations = []
-    with open(path, encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"{path}:{number}: not valid JSON ({exc.msg})") from exc
-            messages = record.get("messages") if isinstance(record, dict) else None
-            if not isinstance(messages, list) or not messages:
-                raise ConfigError(f'{path}:{number}: expected {{"messages": [{{"role", "content"}}, ...]}}')
-            conversations.append(messages)
+    for number, record in jsonl_values(path):
+        messages = record.get("messages") if isinstance(record, dict) else None
+        if not isinstance(messages, list) or not messages:
+            raise ConfigError(f'{path}:{number}: expected {{"messages": [{{"role", "content"}}, ...]}}')
+        conversations.append(messages)
     return conversations
 
 
@@ -98,12 +91,19 @@ class SFTSamples:
 
     def batch(self, samples: range) -> Batch:
         rows = [self._samples[self._order(sample)] for sample in samples]
-        width = max(len(ids) for ids, _ in rows)
-        input_ids = torch.full((len(rows), width), self._pad_id, dtype=torch.long)
-        labels = torch.full((len(rows), width), IGNORE, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for row, (ids, row_labels) in enumerate(rows):
-            input_ids[row, :len(ids)] = torch.tensor(ids)
-            labels[row, :len(ids)] = torch.tensor(row_labels)
-            mask[row, :len(ids)] = 1
-        return Batch(input_ids, labels, mask)
+        return Batch(*pad_rows(rows, self._pad_id))
+
+
+def pad_rows(rows: list[tuple[list[int], list[int]]], pad_id: int
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(token ids, labels) rows right-padded to the longest: input ids (pad_id), labels (IGNORE) and
+    the attention mask, each (rows, longest) int64."""
+    width = max(len(ids) for ids, _ in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), width), IGNORE, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for row, (ids, row_labels) in enumerate(rows):
+        input_ids[row, :len(ids)] = torch.tensor(ids)
+        labels[row, :len(ids)] = torch.tensor(row_labels)
+        mask[row, :len(ids)] = 1
+    return input_ids, labels, mask
