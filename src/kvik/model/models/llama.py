@@ -111,13 +111,12 @@ class LlamaModel(nn.Module):
         return self.norm.forward_residual(x, residual)[0]
 
 
-class LlamaForCausalLM(nn.Module):
-    # A decoder also embeds: the last token's final hidden state, normalised (unless the model's
-    # sentence-transformers files say otherwise).
-    supported_tasks = ("generate", "embed")
+class LlamaTrunk(nn.Module):
+    """What the Llama family's task models share: the rotary tables and the decoder body
+    (`self.model`); `forward` returns the final hidden states and each subclass adds its head."""
+
     uses_kv_cache = True
     default_pooling = LAST
-    default_normalize = True
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -125,14 +124,6 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                       cfg.rope_scaling)
         self.model = LlamaModel(cfg, self.rotary)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.tie_weights()
-
-    def tie_weights(self) -> None:
-        """Share the embedding with the LM head when the config says so (again after
-        materialising from the meta device, which unties parameters)."""
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]
@@ -144,6 +135,28 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, meta)
+
+    @staticmethod
+    def checkpoint_name(name: str) -> str:
+        return name
+
+
+class LlamaForCausalLM(LlamaTrunk):
+    # A decoder also embeds: the last token's final hidden state, normalised (unless the model's
+    # sentence-transformers files say otherwise).
+    supported_tasks = ("generate", "embed")
+    default_normalize = True
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the LM head when the config says so (again after
+        materialising from the meta device, which unties parameters)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
@@ -163,10 +176,6 @@ class LlamaForCausalLM(nn.Module):
             loader.ignore(["lm_head.weight"])
         return loader
 
-    @staticmethod
-    def checkpoint_name(name: str) -> str:
-        return name
-
     def skip_checkpoint_tensor(self, name: str) -> bool:
         # Old checkpoints store rotary tables; tied models may still ship an lm_head copy, which HF
         # ignores in favour of the embedding.
@@ -174,7 +183,7 @@ class LlamaForCausalLM(nn.Module):
             self.config.tie_word_embeddings and name == "lm_head.weight")
 
 
-class LlamaForSequenceClassification(nn.Module):
+class LlamaForSequenceClassification(LlamaTrunk):
     """The Llama family with a score head instead of the LM head (HF's `*ForSequenceClassification`;
     a reward model is one with a single label). The last token's final hidden state goes through
     `score` (no bias); HF takes the last token that is not the pad token, which the engine matches
@@ -182,30 +191,14 @@ class LlamaForSequenceClassification(nn.Module):
     on them)."""
 
     supported_tasks = ("classify",)
-    uses_kv_cache = True
-    default_pooling = LAST
     default_normalize = False
 
     def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.config = cfg
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
-                                      cfg.rope_scaling)
-        self.model = LlamaModel(cfg, self.rotary)
+        super().__init__(cfg)
         self.score = nn.Linear(cfg.hidden_size, num_labels(cfg), bias=False)
 
     def tie_weights(self) -> None:
         """The score head is never tied."""
-
-    def attention_layers(self) -> list[PagedAttention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
-
-    def prepare(self, device: torch.device, dtype: torch.dtype) -> None:
-        self.rotary.build_cache(device, dtype)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, meta)
 
     def classify(self, pooled: torch.Tensor) -> torch.Tensor:
         """(B, hidden) pooled states -> (B, num_labels) logits."""
@@ -214,10 +207,6 @@ class LlamaForSequenceClassification(nn.Module):
 
     def weight_loader(self) -> WeightLoader:
         return LlamaForCausalLM.weight_loader(self)  # the same fused projections
-
-    @staticmethod
-    def checkpoint_name(name: str) -> str:
-        return name
 
     def skip_checkpoint_tensor(self, name: str) -> bool:
         return name.endswith("rotary_emb.inv_freq")
