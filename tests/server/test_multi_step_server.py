@@ -38,5 +38,6 @@ def test_a_stream_from_runs_equals_single_steps_and_counts_every_token(server, s
     # One gap per token after the first output (the first token's, plus any the API process merged
     # into it when the client read slower than the engine made them), however they were grouped.
     assert observed == tokens - len(chunks[0].logprobs.tokens)
+    assert observed >= tokens // 2
     # Per token, not per chunk: the chunks after the first carry runs of several tokens each.
-    assert observed > 2 * (len(chunks) - 1) > 0
+    assert observed > 2 * (len(chunks) - 1)
