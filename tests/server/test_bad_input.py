@@ -31,7 +31,42 @@ def post(server, path: str, **kwargs) -> httpx.Response:
 def test_malformed_json(server):
     response = post(server, "completions", content=b'{"prompt": "hi",',
                     headers={"content-type": "application/json"})
-    assert "not valid JSON" in assert_error(response, 400)["message"]
+    message = assert_error(response, 400)["message"]
+    # The parser's own words and where it stopped, not FastAPI's constant "JSON decode error".
+    assert message.startswith("the request body is not valid JSON (Expecting property name"), message
+    assert "at character 16" in message
+
+
+JSON = {"content-type": "application/json"}
+# Past json_body.WORKER_PARSE_BYTES, so the body is parsed in a tokenizer worker, not on the loop.
+PADDING = "a" * (300 * 1024)
+
+
+@pytest.mark.parametrize("path,body,field", [
+    ("chat/completions", r'{"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi \ud800"}]}',
+     "messages.0.content"),
+    ("chat/completions", r'{"model": "tiny", "max_tokens": 2, "stop": ["\udc00"], '
+                         r'"messages": [{"role": "user", "content": "hi"}]}', "stop.0"),
+    ("completions", r'{"model": "tiny", "max_tokens": 2, "prompt": "\ud800\ud800\udc00"}', "prompt"),
+    ("completions", r'{"model": "tiny", "max_tokens": 2, "prompt": "' + PADDING + r'", "user": "\udbff"}', "user"),
+    ("responses", r'{"model": "tiny", "max_output_tokens": 2, "input": "x", "instructions": "\ud83d"}',
+     "instructions"),
+    ("embeddings", r'{"model": "tiny", "input": ["ok", "\udfff"]}', "input.1"),
+])
+def test_lone_surrogate_escape_is_a_400_naming_the_field(server, path, body, field):
+    """json.loads accepts "\ud800" (half of a UTF-16 pair); such a string cannot be encoded as
+    UTF-8, and used to fail as a 500 when the request was sent on to the engine process."""
+    message = assert_error(post(server, path, content=body.encode(), headers=JSON), 400)["message"]
+    assert f"({field}: holds the escape" in message and "surrogate" in message, message
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_paired_surrogate_escapes_are_text(server):
+    """Clients that escape everything outside ASCII (json.dumps's default) send an emoji as a pair."""
+    body = r'{"model": "tiny", "max_tokens": 2, "prompt": "smile \ud83d\ude00", "echo": true}'
+    response = post(server, "completions", content=body.encode(), headers=JSON)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"].startswith("smile \U0001F600")
 
 
 @pytest.mark.parametrize("body,param", [

@@ -229,6 +229,9 @@ def test_embeddings_lines_equal_the_embeddings_created_one_by_one(tmp_path):
     (b'{"custom_id": "a", "url": "/v1/moderations", "body": {}}\n', "line 1: url"),
     (b'{"url": "/v1/chat/completions", "body": {}}\n', "line 1: custom_id"),
     (b"\n\n", "has no requests"),
+    # A line the batch would have failed on much later, when its text was first encoded.
+    (b'{"custom_id": "a", "url": "/v1/chat/completions", "body": {"messages": [{"content": "\\udc00"}]}}\n',
+     "line 1: is not valid JSON (body.messages.0.content: holds the escape \\udc00"),
 ])
 def test_bad_input_files_are_refused_at_upload_naming_the_line(batch_server, content, message):
     response = httpx.post(f"{batch_server.base_url}/files", files={"file": ("in.jsonl", content)},

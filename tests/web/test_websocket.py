@@ -178,7 +178,11 @@ def test_protocol_errors_keep_the_socket(kvik_server: KvikServe) -> None:
     async def run() -> None:
         async with websockets.connect(ws_url(kvik_server.url)) as ws:
             await ws.recv()
-            for message, param, status in (("not json", None, 400), (json.dumps([1]), "type", 400),
+            # A lone surrogate escape: JSON to json.loads, but no text to encode for the route.
+            surrogate = '{"type": "response.create", "stream_id": "s", "model": "tiny", ' \
+                        '"messages": [{"role": "user", "content": "\\ud800"}]}'
+            for message, param, status in (("not json", None, 400), (surrogate, None, 400),
+                                           (json.dumps([1]), "type", 400),
                                            (json.dumps({"type": "nope"}), "type", 400),
                                            (json.dumps({"type": "response.create", **chat_body("x"), "stream": False}),
                                             "stream", 400),

@@ -22,6 +22,7 @@ import resource
 from dataclasses import dataclass
 from typing import Any
 
+from kvik.core import client_json
 from kvik.core.chat_template import ChatTemplateError, TemplateLimits
 from kvik.core.errors import ContextLengthExceededError, InvalidRequestError
 from kvik.core.memory import release_freed_memory
@@ -113,7 +114,7 @@ def _render_job(messages: list[dict[str, Any]], add_generation_prompt: bool, tem
 
 def _parse_json_job(body: bytes) -> ParsedBody:
     try:
-        return ParsedBody(json.loads(body))
+        return ParsedBody(client_json.loads(body))
     except json.JSONDecodeError as exc:  # not pickled as is: it would carry the whole body back
         return ParsedBody(error=(exc.msg, exc.pos))
     except (ValueError, RecursionError) as exc:

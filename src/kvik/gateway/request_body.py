@@ -8,10 +8,10 @@ limit of any later walk). Each failure is a 400 that names the field and says wh
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
+from kvik.core import client_json
 from kvik.core.errors import InvalidRequestError
 from kvik.protocol.openai import MAX_N
 
@@ -35,7 +35,7 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
     """The request as a dict, or `InvalidRequestError`. CPU-bound for large bodies: the caller runs
     it off the event loop."""
     try:
-        body = json.loads(raw)
+        body = client_json.loads(raw)
     except RecursionError:
         raise InvalidRequestError(f"The request body nests objects or arrays deeper than {MAX_JSON_DEPTH} "
                                   f"levels.") from None

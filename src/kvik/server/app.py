@@ -166,7 +166,12 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return "invalid request", None
     first = errors[0]
     if first.get("type") == "json_invalid":
-        return f"the request body is not valid JSON ({first.get('msg')})", None
+        # FastAPI's msg is a constant ("JSON decode error"); the parser's own message is in ctx.
+        detail = (first.get("ctx") or {}).get("error") or first.get("msg")
+        position = first.get("loc", ())[-1:]
+        if position and isinstance(position[0], int) and position[0] > 0:
+            detail = f"{detail} at character {position[0]}"
+        return f"the request body is not valid JSON ({detail})", None
     locations = [[str(p) for p in e.get("loc", ()) if p != "body"] for e in errors]
     location = locations[0]
     top = location[0] if location else None

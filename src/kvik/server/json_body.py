@@ -16,6 +16,7 @@ from typing import Any, Callable, Coroutine
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
 
+from kvik.core import client_json
 from kvik.engine.preprocess_pool import ParsedBody
 
 PARSED_BODY_KEY = "kvik.parsed_body"
@@ -35,7 +36,9 @@ class _ParsedRequest(Request):
     async def json(self) -> Any:
         parsed: ParsedBody | None = self.scope.get(PARSED_BODY_KEY)
         if parsed is None:
-            return await super().json()
+            if not hasattr(self, "_json"):  # Starlette's cache, as its own json() keeps it
+                self._json = client_json.loads(await self.body())
+            return self._json
         if parsed.error is not None:  # what json.loads raised, for FastAPI's usual 400
             message, position = parsed.error
             raise json.JSONDecodeError(message, "", position)
@@ -45,14 +48,13 @@ class _ParsedRequest(Request):
 
 
 class ParsedBodyRoute(APIRoute):
-    """A route that takes the body the gate had parsed in a worker, when it did."""
+    """A route that takes the body the gate had parsed in a worker, when it did, and otherwise
+    parses it with `kvik.core.client_json` (no lone surrogates)."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
 
         async def route_handler(request: Request) -> Response:
-            if PARSED_BODY_KEY in request.scope:
-                request = _ParsedRequest(request.scope, request.receive)
-            return await handler(request)
+            return await handler(_ParsedRequest(request.scope, request.receive))
 
         return route_handler

@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
+from kvik.core import client_json
 from kvik.protocol.errors import error_body
 from kvik.web.asgi_call import InProcessCall, http_scope_from
 
@@ -225,7 +226,7 @@ class StreamingSocket:
                 await self._error(ProtocolError("send text frames holding JSON objects, not binary"))
                 continue
             try:
-                value = json.loads(text)
+                value = client_json.loads(text)
             except ValueError as exc:
                 await self._error(ProtocolError(f"the message is not valid JSON: {exc}"))
                 continue

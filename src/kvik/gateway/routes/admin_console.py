@@ -5,12 +5,12 @@ Every route needs a key with the admin role."""
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from kvik.core import client_json
 from kvik.core.errors import InvalidRequestError, RequestTooLargeError
 from kvik.gateway.audit import query_actions, query_requests, record_admin_action
 from kvik.gateway.live_metrics import LiveMetrics
@@ -36,7 +36,7 @@ async def update_key(request: Request, key_id: str) -> Response:
     if len(raw) > MAX_BODY_BYTES:
         raise RequestTooLargeError(f"The request body is over {MAX_BODY_BYTES} bytes.")
     try:
-        changes = json.loads(raw)
+        changes = client_json.loads(raw)
     except ValueError as exc:
         raise InvalidRequestError(f"The request body is not valid JSON: {exc}") from None
     if not isinstance(changes, dict) or not changes:

@@ -7,12 +7,12 @@ cross-site page cannot make the browser act on a user's conversations (no ambien
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from kvik.core import client_json
 from kvik.core.errors import InvalidRequestError, RequestTooLargeError
 from kvik.gateway.conversations import ANONYMOUS_OWNER, MAX_DOCUMENT_BYTES, ConversationStore
 from kvik.gateway.state import GatewayState
@@ -35,7 +35,7 @@ async def _json_body(request: Request) -> dict[str, Any]:
         if len(raw) > MAX_BODY_BYTES:
             raise RequestTooLargeError(f"The request body is over {MAX_BODY_BYTES} bytes.")
     try:
-        body = json.loads(raw)
+        body = client_json.loads(raw)
     except ValueError as exc:
         raise InvalidRequestError(f"The request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):

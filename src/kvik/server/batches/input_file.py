@@ -9,10 +9,10 @@ error file with the 400 the endpoint would have given.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
+from kvik.core import client_json
 from kvik.core.errors import InvalidRequestError
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
@@ -58,7 +58,7 @@ def _parse_line(raw: str, number: int, index: int, seen: set[str]) -> BatchLine:
         return InvalidRequestError(f"file: line {number}: {message}", param="file")
 
     try:
-        item = json.loads(raw)
+        item = client_json.loads(raw)
     except ValueError as exc:
         raise bad(f"is not valid JSON ({exc})") from None
     if not isinstance(item, dict):
