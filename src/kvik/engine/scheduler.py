@@ -407,12 +407,10 @@ class Scheduler:
         """Apply one executed step: `sampled` maps each sequence whose known tokens were all
         computed to its new token(s) (and logprobs), `pooled` each pooling request whose prompt is
         now computed to its vector (float32 bytes). Returns what each sequence produced."""
-        now = time.time()
         outputs: list[EngineCoreOutput] = []
         for chunk in out.chunks:
             request = chunk.request
             request.spec_token_ids.clear()  # verified in this step (or dropped by a preemption)
-            group = request.group
             if request.status.finished:  # aborted while the step ran (cannot happen in-process)
                 request.num_computed_tokens = chunk.end
                 continue

@@ -11,7 +11,6 @@ import contextlib
 import json
 import signal
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any

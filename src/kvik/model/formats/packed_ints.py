@@ -14,7 +14,6 @@ def unpack_int32(packed: torch.Tensor, bits: int, dim: int,
     (AWQ's interleaved layout). Returns int32 values in [0, 2**bits)."""
     if packed.dtype != torch.int32:
         raise ValueError(f"packed tensor must be int32, got {packed.dtype}")
-    per_word = 32 // bits
     shifts = torch.arange(0, 32, bits, dtype=torch.int32)
     moved = packed.movedim(dim, -1)
     # (..., words, per_word): an arithmetic shift sign-extends, the mask keeps the low bits.

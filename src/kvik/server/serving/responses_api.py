@@ -20,7 +20,6 @@ cache. As OpenAI does, a previous response's `instructions` are not carried over
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
