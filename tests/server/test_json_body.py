@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import httpx
 
@@ -65,7 +66,11 @@ def test_a_large_body_that_is_not_json_gets_the_answer_a_small_one_gets():
     for big, small in cases:
         answers = [post(state_with(pool), body) for body in (big, small)]
         assert [a.status_code for a in answers] == [400, 400], answers[0].text
-        assert answers[0].json() == answers[1].json()
+        # The same answer but for where a syntax error is: the padding moves it.
+        errors = [a.json()["error"] for a in answers]
+        for error in errors:
+            error["message"] = re.sub(r" at character \d+", "", error["message"])
+        assert errors[0] == errors[1]
     assert len(pool.bodies) == len(cases)
 
 
