@@ -123,6 +123,21 @@ def test_token_ids_outside_vocabulary(server):
                                                      "logit_bias": {"99999": 5}}), 400, param="logit_bias")
 
 
+def test_lists_the_sampler_reads_every_step_are_bounded(server):
+    """A bias over the whole vocabulary or a million stop ids would be applied in every step of the
+    batch, which every other request waits on: at most 300 each (OpenAI's limit for logit_bias)."""
+    base = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+    error = assert_error(post(server, "completions", json={**base, "logit_bias": {str(i): 1 for i in range(301)}}),
+                         400, param="logit_bias")
+    assert "at most 300 tokens, got 301" in error["message"], error
+    error = assert_error(post(server, "completions", json={**base, "stop_token_ids": [10**6] * 301}), 400,
+                         param="stop_token_ids")
+    assert "at most 300" in error["message"], error
+    ok = post(server, "completions", json={**base, "logit_bias": {str(i): 1 for i in range(200)},
+                                           "stop_token_ids": [10**6] * 300})
+    assert ok.status_code == 200, ok.text
+
+
 def test_body_too_large(server):
     big = b'{"prompt": "' + b"a" * (17 * 2**20) + b'"}'
     response = post(server, "completions", content=big, headers={"content-type": "application/json"})

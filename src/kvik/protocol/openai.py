@@ -15,6 +15,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 # One request may not fan out into an unbounded number of sequences.
 MAX_N = 64
 MAX_STOP_STRINGS = 16
+# The sampler applies a request's logit bias and checks its stop token ids at every step, in the
+# step every other request waits on: a bias over the whole vocabulary or a million stop ids would
+# slow every tenant's tokens. 300 is OpenAI's limit for logit_bias.
+MAX_LOGIT_BIAS = 300
+MAX_STOP_TOKEN_IDS = 300
 
 TokenIds = list[Annotated[int, Field(ge=0, le=2**31 - 1)]]
 
@@ -137,7 +142,7 @@ class _SamplingFields(SchedulingFields):
     repetition_penalty: float | None = Field(default=None, gt=0, le=100)
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
-    stop_token_ids: TokenIds | None = None
+    stop_token_ids: TokenIds | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # Prefix-cache isolation: requests share cached prompt blocks (past the leading system prompt)
@@ -165,6 +170,8 @@ class _SamplingFields(SchedulingFields):
     @field_validator("logit_bias")
     @classmethod
     def _bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value is not None and len(value) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} tokens, got {len(value)}")
         for key, bias in (value or {}).items():
             # isdigit() alone accepts '²' and other Unicode digits that int() refuses.
             if not (key.strip().isascii() and key.strip().isdigit()) or len(key.strip()) > 10:
