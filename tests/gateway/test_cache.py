@@ -19,6 +19,12 @@ def test_only_deterministic_requests_are_cacheable() -> None:
     assert policy.directive({**CHAT, "temperature": 0.7}, {}) == policy.NO_CACHE
 
 
+def test_embeddings_are_cacheable_without_temperature_or_seed() -> None:
+    body = {"model": "tiny", "input": ["a", "b"]}
+    assert policy.directive(body, {}, sampled=False).write
+    assert policy.directive(body, {"x-kvik-cache": "no-store"}, sampled=False) == policy.NO_CACHE
+
+
 def test_clients_can_opt_out() -> None:
     body = {**CHAT, "temperature": 0}
     assert policy.directive(body, {"x-kvik-cache": "no-store"}) == policy.NO_CACHE

@@ -320,6 +320,46 @@ def test_email_and_card_never_reach_the_replicas(gateway: Gateway, key: str, rep
         assert EMAIL not in log and CARD not in log and CARD.replace(" ", "") not in log
 
 
+def test_embeddings_pass_through_redacted_cached_and_charged(gateway: Gateway, replicas: list[KvikServe]) -> None:
+    """/v1/embeddings through the gateway, with the official SDK (which asks for base64): the key's
+    model list and usage row apply, personal data is redacted from the inputs, a repeated request is
+    answered from the cache (embeddings do not sample), no completion tokens are reserved or charged."""
+    from openai import OpenAI
+
+    account = create_key(gateway, name="embedder", models=["tiny"])
+    marker = f"embed-{secrets.token_hex(4)}"
+    texts = [f"{marker} plain words", f"{marker} write to {EMAIL}"]
+    before = served(replicas)
+    sdk = OpenAI(base_url=f"{gateway.url}/v1", api_key=account["key"], max_retries=0)
+    first = sdk.embeddings.with_raw_response.create(model="tiny", input=texts)
+    second = sdk.embeddings.with_raw_response.create(model="tiny-latest", input=texts)
+    assert [r.headers["x-kvik-cache"] for r in (first, second)] == ["miss", "hit"]
+    vectors = [item.embedding for item in first.parse().data]
+    assert [item.embedding for item in second.parse().data] == vectors
+    # The replicas count each input of the miss as one finished request; the hit reached none.
+    assert sum(delta(served(replicas), before).values()) == len(texts)
+
+    # What the replica computes for the redacted inputs, asked directly.
+    direct = httpx.post(f"{replicas[0].url}/v1/embeddings", timeout=30, json={
+        "model": UPSTREAM_MODEL, "input": [texts[0], f"{marker} write to [EMAIL]"]}).json()
+    for got, expected in zip(vectors, direct["data"]):
+        assert got == pytest.approx(expected["embedding"], abs=1e-5)
+    usage = first.parse().usage
+    assert usage.prompt_tokens == direct["usage"]["prompt_tokens"] > 0
+    for replica in replicas:
+        assert EMAIL not in replica.log_path.read_text(errors="replace")
+
+    with gateway.admin() as admin:
+        rows = admin.get("/admin/usage", params={"key_id": account["id"]}).json()["data"]
+    assert [(r["model"], r["requests"], r["prompt_tokens"], r["completion_tokens"]) for r in rows] == [
+        ("tiny", 2, usage.prompt_tokens, 0)]  # the cached answer is counted, not charged
+    with gateway.client(account["key"]) as client:
+        streamed = client.post("/v1/embeddings", json={"model": "tiny", "input": "x", "stream": True})
+        missing = client.post("/v1/embeddings", json={"model": "tiny"})
+    assert (streamed.status_code, streamed.json()["error"]["param"]) == (400, "stream")
+    assert (missing.status_code, missing.json()["error"]["param"]) == (400, "input")
+
+
 @BOTH_TRANSPORTS
 def test_a_request_that_breaks_every_replica_opens_no_breaker(gateway: Gateway, key: str,
                                                                replicas: list[KvikServe]) -> None:

@@ -22,13 +22,17 @@ MAX_TOKENS_LIMIT = 2**31 - 1
 
 @dataclass(slots=True, frozen=True)
 class Endpoint:
-    name: str  # "chat.completions" or "completions", as in usage rows and moderation requests
+    name: str  # "chat.completions", "completions" or "embeddings", as in usage rows and moderation requests
     path: str  # the upstream path
-    required_field: str  # "messages" or "prompt"
+    required_field: str  # "messages", "prompt" or "input"
+    # Whether the answer is generated: completion tokens to reserve, sampling that decides whether a
+    # cached answer may stand in. Embeddings are neither: one deterministic vector per input.
+    generates: bool = True
 
 
 CHAT = Endpoint("chat.completions", "/v1/chat/completions", "messages")
 COMPLETIONS = Endpoint("completions", "/v1/completions", "prompt")
+EMBEDDINGS = Endpoint("embeddings", "/v1/embeddings", "input", generates=False)
 
 
 def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
@@ -54,6 +58,8 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
                                   param=endpoint.required_field)
     if body.get("stream") is not None and not isinstance(body["stream"], bool):
         raise InvalidRequestError("'stream' must be a boolean.", param="stream")
+    if body.get("stream") and not endpoint.generates:
+        raise InvalidRequestError(f"'stream': {endpoint.name} are not streamed; leave it out.", param="stream")
     _check_stream_options(body.get("stream_options"))
     for name in ("max_tokens", "max_completion_tokens"):
         _check_int(body, name, 0, MAX_TOKENS_LIMIT)

@@ -1,4 +1,4 @@
-"""The proxy pipeline for `/v1/chat/completions` and `/v1/completions`, top to bottom:
+"""The proxy pipeline for `/v1/chat/completions`, `/v1/completions` and `/v1/embeddings`, top to bottom:
 
     authenticate -> parse -> route -> authorize -> reserve budget and TPM, count RPM -> guardrails
     -> scheduling fields from the key -> cache lookup -> upstream with failover -> relay
@@ -37,7 +37,7 @@ from kvik.gateway.guardrails.text import replace_request_texts, request_texts
 from kvik.gateway.proxy import UpstreamAnswer
 from kvik.gateway.relay import CLIENT_LEFT, RelayResponse, StreamRelay, replay
 from kvik.gateway.replica import Outcome
-from kvik.gateway.request_body import CHAT, COMPLETIONS, Endpoint, parse_body, wants_usage_chunk
+from kvik.gateway.request_body import CHAT, COMPLETIONS, EMBEDDINGS, Endpoint, parse_body, wants_usage_chunk
 from kvik.gateway.router import ModelPool
 from kvik.gateway.scheduling import SCHEDULING_FIELDS
 from kvik.gateway.sse import TokenUsage
@@ -47,7 +47,7 @@ from kvik.gateway.tokens import TokenEstimate, estimate_tokens
 from kvik.gateway.usage import UsageRecord
 from kvik.protocol.errors import error_from_exception
 
-__all__ = ["CHAT", "COMPLETIONS", "ProxyService"]
+__all__ = ["CHAT", "COMPLETIONS", "EMBEDDINGS", "ProxyService"]
 
 # What a client may send as its own x-request-id: visible ASCII, no spaces, as HTTP headers carry it.
 _REQUEST_ID = re.compile(r"[!-~]{1,128}")
@@ -121,7 +121,8 @@ class ProxyService:
         prepared = await self._prepare(body, texts, pool, log, request.headers, len(raw))
 
         cache = state.cache
-        if cache is not None and prepared.cache_key is not None and policy.directive(body, request.headers).read:
+        if cache is not None and prepared.cache_key is not None and policy.directive(
+                body, request.headers, sampled=log.endpoint.generates).read:
             cached = await cache.get(prepared.cache_key)
             state.metrics.cache.labels(pool.name, "miss" if cached is None else "hit").inc()
             if cached is not None:
@@ -152,7 +153,8 @@ class ProxyService:
     def _parse(self, raw: bytes, endpoint: Endpoint) -> tuple[dict[str, Any], list[str], TokenEstimate]:
         body = parse_body(raw, endpoint)
         texts = request_texts(body)
-        return body, texts, estimate_tokens(body, texts, self.state.config.limits.reserve_completion_tokens)
+        return body, texts, estimate_tokens(body, texts, self.state.config.limits.reserve_completion_tokens,
+                                            generates=endpoint.generates)
 
     @traced("rate_limit")
     async def _admit(self, log: RequestLog) -> None:
@@ -191,7 +193,7 @@ class ProxyService:
         config = self.state.config
         tenant = tenant_of(log.principal)
         cache_key = None
-        if self.state.cache is not None and policy.directive(body, headers).write:
+        if self.state.cache is not None and policy.directive(body, headers, sampled=log.endpoint.generates).write:
             scope = None if config.cache.share_across_tenants else tenant
             cache_key = policy.cache_key(log.endpoint.name, pool.name, body, tenant=scope)
         # Scheduling fields come from the key, never from the client (kvik.gateway.scheduling).

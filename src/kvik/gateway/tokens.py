@@ -32,9 +32,18 @@ class TokenEstimate:
         return self.prompt + self.completion
 
 
-def estimate_tokens(body: dict[str, Any], texts: list[str], reserve_completion_tokens: int) -> TokenEstimate:
-    """`texts` are the request's texts (`guardrails.text.request_texts`)."""
+def estimate_tokens(body: dict[str, Any], texts: list[str], reserve_completion_tokens: int, *,
+                    generates: bool = True) -> TokenEstimate:
+    """`texts` are the request's texts (`guardrails.text.request_texts`). An endpoint that does not
+    generate (embeddings) reserves no completion tokens; its token-id inputs count exactly."""
     prompt = sum(len(text) if text.isascii() else len(text.encode(errors="surrogatepass")) for text in texts)
+    if not generates:
+        inputs = body.get("input")
+        if isinstance(inputs, list) and inputs and all(isinstance(i, int) for i in inputs):
+            prompt += len(inputs)
+        elif isinstance(inputs, list) and all(isinstance(i, list) for i in inputs):
+            prompt += sum(len(i) for i in inputs)
+        return TokenEstimate(prompt=prompt, completion=0, explicit=False)
     messages = body.get("messages")
     if isinstance(messages, list):
         prompt += TEMPLATE_TOKENS_PER_MESSAGE * (len(messages) + 1)

@@ -1,9 +1,10 @@
 """Which requests the response cache may answer, and the key they are stored under.
 
-Only deterministic requests are cached: temperature 0 (greedy) or a fixed `seed`. A request without
-a temperature samples at temperature 1 (the OpenAI default), so it is never cached unless it fixes a
-seed. Clients opt out with `x-kvik-cache: no-store` or `Cache-Control: no-store` (neither read nor
-written) or `Cache-Control: no-cache` (not read, but the fresh answer is stored).
+Only deterministic requests are cached: temperature 0 (greedy) or a fixed `seed`, and embeddings,
+which do not sample. A request without a temperature samples at temperature 1 (the OpenAI default),
+so it is never cached unless it fixes a seed. Clients opt out with `x-kvik-cache: no-store` or
+`Cache-Control: no-store` (neither read nor written) or `Cache-Control: no-cache` (not read, but
+the fresh answer is stored).
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ def is_deterministic(body: Mapping[str, Any]) -> bool:
     return temperature == 0 or body.get("seed") is not None
 
 
-def directive(body: Mapping[str, Any], headers: Mapping[str, str]) -> CacheDirective:
-    if not is_deterministic(body):
+def directive(body: Mapping[str, Any], headers: Mapping[str, str], *, sampled: bool = True) -> CacheDirective:
+    """`sampled` False for an endpoint whose answer does not depend on sampling (embeddings)."""
+    if sampled and not is_deterministic(body):
         return NO_CACHE
     cache_control = headers.get("cache-control", "").lower()
     if headers.get("x-kvik-cache", "").lower() == "no-store" or "no-store" in cache_control:

@@ -1,7 +1,8 @@
 """The user-supplied text of a request, read and rewritten in one place for every guardrail.
 
 The texts are, in order: chat message contents (strings and `text` parts), completions prompts (a
-string or a list of strings; token-id prompts have no text), and every string value inside
+string or a list of strings; token-id prompts have no text), embeddings inputs (the same shapes),
+and every string value inside
 `chat_template_kwargs` (a chat template may render any of them into the prompt, so they are text the
 model sees, and a way around redaction if left out).
 """
@@ -37,11 +38,12 @@ def map_request_texts(body: dict[str, Any], transform: Callable[[str], str]) -> 
     messages = body.get("messages")
     if isinstance(messages, list):
         out["messages"] = [_map_message(message, transform) for message in messages]
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        out["prompt"] = transform(prompt)
-    elif isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
-        out["prompt"] = [transform(p) for p in prompt]
+    for name in ("prompt", "input"):
+        value = body.get(name)
+        if isinstance(value, str):
+            out[name] = transform(value)
+        elif isinstance(value, list) and all(isinstance(p, str) for p in value):
+            out[name] = [transform(p) for p in value]
     kwargs = body.get("chat_template_kwargs")
     if isinstance(kwargs, dict):
         out["chat_template_kwargs"] = _map_values(kwargs, transform)

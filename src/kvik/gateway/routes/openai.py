@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvik.gateway.openapi import request_body
-from kvik.gateway.serving import CHAT, COMPLETIONS, ProxyService
+from kvik.gateway.serving import CHAT, COMPLETIONS, EMBEDDINGS, ProxyService
 from kvik.gateway.state import GatewayState
 
 router = APIRouter()
@@ -25,6 +25,12 @@ async def chat_completions(request: Request) -> Response:
 async def completions(request: Request) -> Response:
     service: ProxyService = request.app.state.service
     return await service.handle(request, COMPLETIONS)
+
+
+@router.post("/v1/embeddings", openapi_extra=request_body("EmbeddingRequest"))
+async def embeddings(request: Request) -> Response:
+    service: ProxyService = request.app.state.service
+    return await service.handle(request, EMBEDDINGS)
 
 
 @router.get("/v1/models")
