@@ -26,6 +26,7 @@ import pytest
 
 from tests.gateway.harness import (UPSTREAM_MODEL, Gateway, GatewayFactory, KvikServe, free_port, model_config,
                                    wait_for)
+from tests.support.mutation import fuzz
 from tests.support.sse import sse_lines
 
 pytest.importorskip("torch")  # the replicas are kvik serve, which needs torch (the gateway does not)
@@ -358,6 +359,27 @@ def test_embeddings_pass_through_redacted_cached_and_charged(gateway: Gateway, r
         missing = client.post("/v1/embeddings", json={"model": "tiny"})
     assert (streamed.status_code, streamed.json()["error"]["param"]) == (400, "stream")
     assert (missing.status_code, missing.json()["error"]["param"]) == (400, "input")
+
+
+def test_mutated_requests_through_the_gateway_get_success_or_a_clear_4xx(gateway: Gateway,
+                                                                          replicas: list[KvikServe]) -> None:
+    """Hostile variants of valid chat, completions, embeddings and conversation bodies
+    (tests/support/mutation.py) through the gateway's own parsing, estimates, redaction and cache
+    keys to real replicas: a success or a 4xx in the OpenAI shape each time, never a 5xx."""
+    bodies = {
+        "/v1/chat/completions": {**chat("tiny", f"write to {EMAIL}", temperature=0, n=2, seed=1),
+                                 "stream": True, "stream_options": {"include_usage": True},
+                                 "chat_template_kwargs": {"note": "x"}, "logit_bias": {"5": 1}},
+        "/v1/completions": {"model": "tiny-latest", "prompt": ["hello", "there"], "max_tokens": MAX_TOKENS,
+                            "best_of": 2, "temperature": 0.5},
+        "/v1/embeddings": {"model": "tiny", "input": ["a", f"card {CARD}"]},
+        "/ui/conversations": {"title": "t", "data": {"messages": [{"role": "user", "content": "x"}]}},
+    }
+    with gateway.client(create_key(gateway, name="fuzz")["key"]) as client:
+        failures, statuses = fuzz(client, bodies, 300, seed=11)
+        assert client.post("/v1/chat/completions", json=chat("tiny", "still fine")).status_code == 200
+    assert not failures, f"{len(failures)} answers were wrong:\n" + "\n".join(failures[:10])
+    assert statuses.get(200, 0) + statuses.get(201, 0) >= 30, statuses
 
 
 @BOTH_TRANSPORTS
