@@ -2,9 +2,8 @@
 
 The texts are, in order: chat message contents (strings and `text` parts), completions prompts (a
 string or a list of strings; token-id prompts have no text), embeddings inputs (the same shapes),
-and every string value inside
-`chat_template_kwargs` (a chat template may render any of them into the prompt, so they are text the
-model sees, and a way around redaction if left out).
+and every string value inside `chat_template_kwargs` (a chat template may render any of them into
+the prompt, so they are text the model sees, and a way around redaction if left out).
 """
 
 from __future__ import annotations
