@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,6 +14,13 @@ ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gpt2")
 
 # Tests run on 2 cores next to other processes; one torch thread per test process is fastest.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# What `kvik serve` keeps under $XDG_DATA_HOME by default (the Responses store, each port's batch
+# database) goes to a directory of this session's own, for the servers the tests start too: never
+# into the user's data directory, and never shared with another session's servers.
+_DATA_HOME = tempfile.mkdtemp(prefix="kvik-test-data-")
+os.environ["XDG_DATA_HOME"] = _DATA_HOME
+atexit.register(shutil.rmtree, _DATA_HOME, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

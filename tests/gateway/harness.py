@@ -162,7 +162,10 @@ class KvikServe(ServerProcess):
         # in a build directory that other checkouts on the machine rebuild for their own torch, and
         # these tests are about the gateway, not the kernel.
         grpc_flags = ["--grpc-port", str(grpc_port)] if grpc_port is not None else []
-        super().__init__(kvik_serve_command(model_dir, port, log_prompts=True, extra=[*extra, *grpc_flags]), port,
+        # Each replica keeps stored Responses in a store of its own, as separate hosts would.
+        store = ["--responses-store", str(log_dir / f"responses-{name}-{port}.sqlite")]
+        super().__init__(kvik_serve_command(model_dir, port, log_prompts=True, extra=[*store, *extra, *grpc_flags]),
+                         port,
                          log_dir / f"kvik-serve-{name}-{port}.log",
                          env={"OMP_NUM_THREADS": "1", "KVIK_CPU_KERNELS": "0"}, model_name=UPSTREAM_MODEL,
                          stop_timeout=STOP_TIMEOUT_S)

@@ -361,9 +361,97 @@ def test_embeddings_pass_through_redacted_cached_and_charged(gateway: Gateway, r
     assert (missing.status_code, missing.json()["error"]["param"]) == (400, "input")
 
 
+def stored_on(replicas: list[KvikServe], response_id: str) -> list[str]:
+    """The replicas whose own store holds `response_id`, asked directly."""
+    return [r.name for r in replicas
+            if httpx.get(f"{r.url}/v1/responses/{response_id}", timeout=30).status_code == 200]
+
+
+def test_responses_continue_on_the_replica_that_stored_them_for_their_tenant_only(
+        gateway: Gateway, replicas: list[KvikServe]) -> None:
+    """The Responses API through the gateway, with the official SDK: a conversation of five turns
+    (streamed and not) stays on the replica that stored its first turn, although the balancer
+    alternates between the two replicas for requests without `previous_response_id`; the input is
+    redacted; GET and DELETE reach that replica; another tenant gets 404 for all of it; usage rows
+    carry the replicas' input and output tokens."""
+    from openai import NotFoundError as SdkNotFound
+    from openai import OpenAI
+
+    owner, stranger = create_key(gateway, name="responses-owner"), create_key(gateway, name="responses-stranger")
+    sdk = OpenAI(base_url=f"{gateway.url}/v1", api_key=owner["key"], max_retries=0)
+    marker = f"resp-{secrets.token_hex(4)}"
+    first = sdk.responses.create(model="tiny", instructions="Answer briefly.",
+                                 input=f"{marker} first turn, mail {EMAIL}", max_output_tokens=MAX_TOKENS)
+    assert first.status in ("completed", "incomplete") and first.usage.input_tokens > 0
+    holders = stored_on(replicas, first.id)
+    assert len(holders) == 1, holders
+    holder = next(r for r in replicas if r.name == holders[0])
+
+    # Requests without previous_response_id alternate between the replicas ...
+    before = served(replicas)
+    unrelated = [sdk.responses.create(model="tiny", input=f"{marker} unrelated", max_output_tokens=MAX_TOKENS,
+                                      store=False) for _ in range(4)]
+    assert all(count > 0 for count in delta(served(replicas), before).values())
+    assert all(stored_on(replicas, response.id) == [] for response in unrelated)  # store=False
+
+    # ... while each turn of the conversation goes to the holder, streamed or not.
+    usages = [first.usage, *(response.usage for response in unrelated)]
+    previous = first.id
+    before = served(replicas)
+    for turn in range(4):
+        text = f"{marker} turn {turn + 2}"
+        if turn % 2:
+            with sdk.responses.create(model="tiny", input=text, previous_response_id=previous,
+                                      max_output_tokens=MAX_TOKENS, stream=True) as stream:
+                events = list(stream)
+            assert events[0].type == "response.created"
+            assert events[-1].type in ("response.completed", "response.incomplete")
+            final = events[-1].response
+        else:
+            final = sdk.responses.create(model="tiny", input=text, previous_response_id=previous,
+                                         max_output_tokens=MAX_TOKENS)
+        assert final.previous_response_id == previous
+        usages.append(final.usage)
+        assert stored_on(replicas, final.id) == [holder.name]
+        previous = final.id
+    moved = delta(served(replicas), before)
+    assert moved[holder.name] == 4 and sum(moved.values()) == 4, moved
+    # The last turn's prompt is the whole conversation: every earlier turn, redacted.
+    last_prompt = holder.prompts_containing(f"{marker} turn 5")[-1]
+    assert all(f"{marker} turn {n}" in last_prompt for n in (2, 3, 4)) and "mail [EMAIL]" in last_prompt
+    for replica in replicas:
+        assert EMAIL not in replica.log_path.read_text(errors="replace")
+
+    # GET through the gateway is the holder's own object; the stranger's tenant sees none of it.
+    with gateway.client(owner["key"]) as client:
+        assert client.get(f"/v1/responses/{previous}").json() == httpx.get(
+            f"{holder.url}/v1/responses/{previous}", timeout=30).json()
+    assert sdk.responses.retrieve(previous).id == previous
+    with gateway.client(stranger["key"]) as client:
+        peek = client.get(f"/v1/responses/{previous}")
+        wipe = client.delete(f"/v1/responses/{previous}")
+        hijack = client.post("/v1/responses", json={"model": "tiny", "input": "go on", "previous_response_id": previous,
+                                                    "max_output_tokens": MAX_TOKENS})
+        unknown = client.get("/v1/responses/resp_0123456789abcdef")
+    for answer in (peek, wipe, hijack, unknown):
+        assert answer.status_code == 404 and answer.json()["error"]["code"] == "not_found", answer.text
+    assert hijack.json()["error"]["param"] == "previous_response_id"
+    assert stored_on(replicas, previous) == [holder.name]  # the stranger's DELETE changed nothing
+
+    sdk.responses.delete(previous)
+    assert stored_on(replicas, previous) == []
+    with pytest.raises(SdkNotFound):
+        sdk.responses.retrieve(previous)
+
+    with gateway.admin() as admin:
+        rows = admin.get("/admin/usage", params={"key_id": owner["id"], "group_by": "key,model"}).json()["data"]
+    assert [(r["model"], r["requests"], r["errors"], r["prompt_tokens"], r["completion_tokens"]) for r in rows] == [
+        ("tiny", 9, 0, sum(u.input_tokens for u in usages), sum(u.output_tokens for u in usages))]
+
+
 def test_mutated_requests_through_the_gateway_get_success_or_a_clear_4xx(gateway: Gateway,
                                                                           replicas: list[KvikServe]) -> None:
-    """Hostile variants of valid chat, completions, embeddings and conversation bodies
+    """Hostile variants of valid chat, completions, embeddings, Responses and conversation bodies
     (tests/support/mutation.py) through the gateway's own parsing, estimates, redaction and cache
     keys to real replicas: a success or a 4xx in the OpenAI shape each time, never a 5xx."""
     bodies = {
@@ -373,6 +461,9 @@ def test_mutated_requests_through_the_gateway_get_success_or_a_clear_4xx(gateway
         "/v1/completions": {"model": "tiny-latest", "prompt": ["hello", "there"], "max_tokens": MAX_TOKENS,
                             "best_of": 2, "temperature": 0.5},
         "/v1/embeddings": {"model": "tiny", "input": ["a", f"card {CARD}"]},
+        "/v1/responses": {"model": "tiny", "instructions": "brief", "max_output_tokens": MAX_TOKENS, "stream": True,
+                          "input": [{"role": "user", "content": [{"type": "input_text", "text": f"mail {EMAIL}"}]},
+                                    {"type": "function_call_output", "call_id": "c", "output": "ok"}]},
         "/ui/conversations": {"title": "t", "data": {"messages": [{"role": "user", "content": "x"}]}},
     }
     with gateway.client(create_key(gateway, name="fuzz")["key"]) as client:

@@ -108,10 +108,11 @@ class UpstreamProxy:
         self._first_byte_s = timeouts.first_byte_s
 
     async def send(self, pool: ModelPool, path: str, payload: bytes, *, stream: bool,
-                   context: RoutingContext, request_id: str) -> UpstreamAnswer:
+                   context: RoutingContext, request_id: str, pinned: Replica | None = None) -> UpstreamAnswer:
         """The first answer worth relaying: a success, a client error (4xx) the replica gave, a 5xx
         two replicas agree on, or, when every attempt failed, the last upstream error answer. Raises
-        503 when no replica is available and 502 when every attempt failed without an answer."""
+        503 when no replica is available and 502 when every attempt failed without an answer.
+        `pinned`: the only replica that may answer (it holds state the request needs), tried once."""
         self._budget.record_request()
         tracing.set_attributes({"gen_ai.request.model": pool.name})
         tried: set[Replica] = set()
@@ -126,6 +127,8 @@ class UpstreamProxy:
                 grpc_plan = await self._grpc.plan(path, payload, stream)
             except NotCarriedError as exc:
                 not_carried, skipped = exc, frozenset(r for r in pool.replicas if is_grpc(r.url))
+        if pinned is not None:
+            skipped = frozenset(r for r in pool.replicas if r is not pinned)
         suspects: list[Replica] = []  # replicas whose 5xx awaits a second opinion
         last_answer: UpstreamAnswer | None = None
         last_reason = ""

@@ -7,6 +7,9 @@ early is charged for), notes `[DONE]`, and keeps a copy for the cache when asked
 (not the client) asked for the usage chunk, the relay drops it, and the `"usage": null` members
 upstreams then add to every chunk, so the client gets the stream it asked for.
 
+A Responses API stream is relayed the same way, read by `inspect_response_event`: its typed events
+pass untouched, and its `response.completed` (or `response.incomplete`) event stands for `[DONE]`.
+
 Only a stream that ends with `data: [DONE]` and carries no error succeeded. A replica's error event
 is relayed and ends the stream for the client: nothing after it (no usage chunk, no `[DONE]`) goes
 out, so an OpenAI client raises instead of taking a truncated answer for a whole one. A stream that
@@ -26,7 +29,7 @@ from fastapi.responses import StreamingResponse
 from kvik.core.errors import UpstreamError
 from kvik.gateway.proxy import UpstreamAnswer
 from kvik.gateway.replica import Outcome
-from kvik.gateway.sse import EventSplitter, TokenUsage, drop_null_usage, error_event, inspect_event
+from kvik.gateway.sse import ChunkInfo, EventSplitter, TokenUsage, drop_null_usage, error_event, inspect_event
 from kvik.protocol.errors import error_from_exception
 
 CLIENT_LEFT = 499  # the nginx convention, in usage rows and metrics
@@ -35,10 +38,16 @@ UPSTREAM_FAILED = 502
 
 class StreamRelay:
     def __init__(self, answer: UpstreamAnswer, *, keep_usage_chunk: bool, record: bool,
-                 on_first_chunk: Callable[[], None]) -> None:
+                 on_first_chunk: Callable[[], None], inspect: Callable[[bytes], ChunkInfo] = inspect_event,
+                 on_done: Callable[[StreamRelay], Awaitable[None]] | None = None) -> None:
         self._answer = answer
         self._keep_usage_chunk = keep_usage_chunk  # False when the gateway, not the client, asked for it
         self._on_first_chunk = on_first_chunk
+        self._inspect = inspect
+        # Awaited once, when the end-of-stream event arrives and before it is relayed: what the
+        # client may act on as soon as it reads that event (a stored response's route) is in place.
+        self._on_done = on_done
+        self.response_id: str | None = None  # a Responses stream's id
         self._splitter = EventSplitter()
         self.recorded: list[bytes] | None = [] if record else None
         self.usage: TokenUsage | None = None
@@ -53,11 +62,13 @@ class StreamRelay:
         try:
             chunk = self._forward(self._answer.first_chunk)
             self._on_first_chunk()
+            await self._when_done()
             if chunk:
                 yield chunk
             assert self._answer.rest is not None
             async for raw in self._answer.rest:
                 chunk = self._forward(raw)
+                await self._when_done()
                 if chunk:
                     yield chunk
             if self.error is not None:
@@ -74,6 +85,11 @@ class StreamRelay:
                 stalled = isinstance(exc, httpx.ReadTimeout)
                 yield self._fail("The replica stopped sending in the middle of the stream." if stalled
                                  else "The replica failed in the middle of the stream.")
+
+    async def _when_done(self) -> None:
+        if self.saw_done and self.error is None and self._on_done is not None:
+            on_done, self._on_done = self._on_done, None
+            await on_done(self)
 
     def _fail(self, message: str) -> bytes:
         self.outcome, self.status = Outcome.FAILURE, UPSTREAM_FAILED
@@ -93,9 +109,10 @@ class StreamRelay:
                 # The client did not ask for usage: no `"usage": null` on its chunks either (and
                 # the common chunk then skips JSON parsing in `inspect_event`).
                 event = drop_null_usage(event)
-            info = inspect_event(event)
+            info = self._inspect(event)
             if info.usage is not None:
                 self.usage = info.usage
+            self.response_id = info.response_id or self.response_id
             if self.error is not None:
                 continue  # nothing after an error event reaches the client
             if info.error is not None:
@@ -119,7 +136,7 @@ def classify_error(error: dict[str, Any]) -> tuple[int, bool]:
     code = error.get("code")
     if isinstance(code, int) and not isinstance(code, bool) and 400 <= code <= 599:
         return code, code < 500
-    kind = error.get("type")
+    kind = error.get("type") or code  # a Responses API error names its kind in `code`
     if kind in ("invalid_request_error", "BadRequestError", "NotFoundError"):
         return 400, True
     if kind in ("rate_limit_error", "RateLimitError"):

@@ -22,17 +22,23 @@ MAX_TOKENS_LIMIT = 2**31 - 1
 
 @dataclass(slots=True, frozen=True)
 class Endpoint:
-    name: str  # "chat.completions", "completions" or "embeddings", as in usage rows and moderation requests
+    name: str  # "chat.completions", "completions", "embeddings" or "responses": usage rows, moderation
     path: str  # the upstream path
     required_field: str  # "messages", "prompt" or "input"
     # Whether the answer is generated: completion tokens to reserve, sampling that decides whether a
     # cached answer may stand in. Embeddings are neither: one deterministic vector per input.
     generates: bool = True
+    # The Responses API: typed stream events ending in `response.completed` (not chat chunks ending in
+    # `[DONE]`), never answered from the cache (a stored response is state on one replica), and
+    # continued (`previous_response_id`) on the replica that stored it.
+    responses: bool = False
 
 
 CHAT = Endpoint("chat.completions", "/v1/chat/completions", "messages")
 COMPLETIONS = Endpoint("completions", "/v1/completions", "prompt")
 EMBEDDINGS = Endpoint("embeddings", "/v1/embeddings", "input", generates=False)
+RESPONSES = Endpoint("responses", "/v1/responses", "input", responses=True)
+MAX_RESPONSE_ID_CHARS = 128
 
 
 def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
@@ -63,6 +69,15 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
     _check_stream_options(body.get("stream_options"))
     for name in ("max_tokens", "max_completion_tokens"):
         _check_int(body, name, 0, MAX_TOKENS_LIMIT)
+    if endpoint.responses:
+        _check_int(body, "max_output_tokens", 1, MAX_TOKENS_LIMIT)
+        previous = body.get("previous_response_id")
+        if previous is not None and not (isinstance(previous, str) and 0 < len(previous) <= MAX_RESPONSE_ID_CHARS):
+            raise InvalidRequestError(f"'previous_response_id' must be the id of a stored response (a string of "
+                                      f"1 to {MAX_RESPONSE_ID_CHARS} characters), or null.",
+                                      param="previous_response_id")
+        if body.get("store") is not None and not isinstance(body["store"], bool):
+            raise InvalidRequestError("'store' must be a boolean.", param="store")
     for name in ("n", "best_of"):
         _check_int(body, name, 1, MAX_N)
     return body

@@ -1,8 +1,10 @@
-"""The proxy pipeline for `/v1/chat/completions`, `/v1/completions` and `/v1/embeddings`, top to bottom:
+"""The proxy pipeline for `/v1/chat/completions`, `/v1/completions`, `/v1/embeddings` and
+`/v1/responses`, top to bottom:
 
-    authenticate -> parse -> route -> authorize -> reserve budget and TPM, count RPM -> guardrails
-    -> scheduling fields from the key -> cache lookup -> upstream with failover -> relay
-    -> settle tokens, cache store, usage row
+    authenticate -> parse -> route (a stored conversation's replica: `stored_responses`) -> authorize
+    -> reserve budget and TPM, count RPM -> guardrails -> scheduling fields from the key
+    -> cache lookup -> upstream with failover -> relay -> settle tokens, cache store, usage row
+    (and where a stored response lives)
 
 Every refusal is a typed `KvikError` turned into the OpenAI error envelope in one place
 (`kvik.protocol.errors.error_from_exception`). Parsing, redaction, cache keys and encoding run off
@@ -37,17 +39,19 @@ from kvik.gateway.guardrails.text import replace_request_texts, request_texts
 from kvik.gateway.proxy import UpstreamAnswer
 from kvik.gateway.relay import CLIENT_LEFT, RelayResponse, StreamRelay, replay
 from kvik.gateway.replica import Outcome
-from kvik.gateway.request_body import CHAT, COMPLETIONS, EMBEDDINGS, Endpoint, parse_body, wants_usage_chunk
+from kvik.gateway.request_body import (CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES, Endpoint, parse_body,
+                                       wants_usage_chunk)
 from kvik.gateway.router import ModelPool
 from kvik.gateway.scheduling import SCHEDULING_FIELDS
-from kvik.gateway.sse import TokenUsage
+from kvik.gateway.sse import TokenUsage, inspect_event, inspect_response_event
 from kvik.gateway.state import GatewayState
+from kvik.gateway.stored_responses import StoredResponses
 from kvik.gateway.tenancy import tenant_of
 from kvik.gateway.tokens import TokenEstimate, estimate_tokens
 from kvik.gateway.usage import UsageRecord
 from kvik.protocol.errors import error_from_exception
 
-__all__ = ["CHAT", "COMPLETIONS", "EMBEDDINGS", "ProxyService"]
+__all__ = ["CHAT", "COMPLETIONS", "EMBEDDINGS", "RESPONSES", "ProxyService"]
 
 # What a client may send as its own x-request-id: visible ASCII, no spaces, as HTTP headers carry it.
 _REQUEST_ID = re.compile(r"[!-~]{1,128}")
@@ -87,6 +91,7 @@ class Prepared:
 class ProxyService:
     def __init__(self, state: GatewayState) -> None:
         self.state = state
+        self.stored = StoredResponses(state)
 
     async def handle(self, request: Request, endpoint: Endpoint) -> Response:
         log = RequestLog(endpoint, f"req_{secrets.token_hex(12)}")
@@ -117,6 +122,7 @@ class ProxyService:
         pool = state.router.resolve(body["model"])
         log.model = pool.name
         state.auth.authorize_model(log.principal, pool.name)
+        pinned = await self.stored.pin(body, log.principal, pool) if log.endpoint.responses else None
         await self._admit(log)
         prepared = await self._prepare(body, texts, pool, log, request.headers, len(raw))
 
@@ -132,16 +138,18 @@ class ProxyService:
         try:
             answer = await unless_disconnected(request, state.proxy.send(
                 pool, log.endpoint.path, prepared.payload, stream=log.stream, context=prepared.context,
-                request_id=log.request_id))
+                request_id=log.request_id, pinned=pinned))
         except ClientDisconnected:
             # The replica was asked and has likely read the prompt: charge that (estimated).
             log.usage = TokenUsage(log.estimate.prompt, 0)
             raise
         log.replica, log.attempts = answer.replica.url, answer.attempts
         if answer.streaming:
-            return self._relay(answer, log, headers, wants_usage_chunk(body), prepared.cache_key)
+            return self._relay(answer, log, headers, body, prepared.cache_key)
         if answer.status == 200:
             log.usage = _usage_of(answer.body) or TokenUsage(log.estimate.prompt, log.estimate.completion)
+            if _stores(log.endpoint, body):
+                await self.stored.remember(_json_field(answer.body, "id"), log.principal, pool.name, answer.replica.url)
             if cache is not None and prepared.cache_key is not None:
                 await cache.put(prepared.cache_key, CachedResponse(200, answer.content_type, (answer.body,)))
         elif answer.retry_after is not None:
@@ -193,13 +201,14 @@ class ProxyService:
         config = self.state.config
         tenant = tenant_of(log.principal)
         cache_key = None
-        if self.state.cache is not None and policy.directive(body, headers, sampled=log.endpoint.generates).write:
+        if (self.state.cache is not None and not log.endpoint.responses
+                and policy.directive(body, headers, sampled=log.endpoint.generates).write):
             scope = None if config.cache.share_across_tenants else tenant
             cache_key = policy.cache_key(log.endpoint.name, pool.name, body, tenant=scope)
         # Scheduling fields come from the key, never from the client (kvik.gateway.scheduling).
         upstream = {name: value for name, value in body.items() if name not in SCHEDULING_FIELDS}
         upstream.update(scheduling, model=pool.upstream_model)
-        if log.stream and not wants_usage_chunk(body):
+        if log.stream and not log.endpoint.responses and not wants_usage_chunk(body):
             # Ask for the usage chunk so TPM and usage rows count streamed tokens; the relay drops
             # it again, so the client sees the stream it asked for.
             upstream["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
@@ -217,12 +226,23 @@ class ProxyService:
         return StreamingResponse(replay(cached.chunks), status_code=cached.status,
                                  media_type=cached.content_type, headers=headers)
 
-    def _relay(self, answer: UpstreamAnswer, log: RequestLog, headers: dict[str, str],
-               client_wants_usage: bool, cache_key: str | None) -> Response:
+    def _relay(self, answer: UpstreamAnswer, log: RequestLog, headers: dict[str, str], body: dict[str, Any],
+               cache_key: str | None) -> Response:
         state = self.state
-        relay = StreamRelay(answer, keep_usage_chunk=client_wants_usage, record=cache_key is not None,
+        replica = answer.replica
+
+        async def remember(relay: StreamRelay) -> None:
+            await self.stored.remember(relay.response_id, log.principal, log.model, replica.url)
+
+        # A Responses stream is relayed as it comes (its usage rides on its last event); chat and
+        # completions streams lose the usage chunk the gateway asked for on the client's behalf.
+        responses = log.endpoint.responses
+        relay = StreamRelay(answer, keep_usage_chunk=responses or wants_usage_chunk(body),
+                            record=cache_key is not None,
                             on_first_chunk=lambda: state.metrics.ttft.labels(log.model, log.replica).observe(
-                                time.monotonic() - log.started))
+                                time.monotonic() - log.started),
+                            inspect=inspect_response_event if responses else inspect_event,
+                            on_done=remember if _stores(log.endpoint, body) else None)
 
         async def close() -> None:
             await answer.finish(relay.outcome)
@@ -277,6 +297,18 @@ def _client_request_id(headers: Mapping[str, str]) -> str | None:
         raise InvalidRequestError("x-request-id: send 1 to 128 visible ASCII characters (no spaces), or "
                                   "leave it out and the gateway makes one.", param="x-request-id")
     return value
+
+
+def _stores(endpoint: Endpoint, body: dict[str, Any]) -> bool:
+    """A Responses request whose answer the replica stores (`store` defaults to true)."""
+    return endpoint.responses and body.get("store") is not False
+
+
+def _json_field(body: bytes, name: str) -> Any:
+    try:
+        return json.loads(body).get(name)
+    except (ValueError, AttributeError, RecursionError):
+        return None
 
 
 def _usage_of(body: bytes) -> TokenUsage | None:

@@ -31,8 +31,12 @@ class TokenUsage:
 
     @classmethod
     def from_json(cls, usage: Any) -> TokenUsage | None:
+        """Chat and completions name the counts prompt/completion tokens, the Responses API
+        input/output tokens."""
         if not isinstance(usage, dict):
             return None
+        if "input_tokens" in usage and "prompt_tokens" not in usage:
+            return cls(_count(usage.get("input_tokens")), _count(usage.get("output_tokens")))
         return cls(_count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens")))
 
 
@@ -82,6 +86,7 @@ class ChunkInfo:
     # `data: {"object": "error", ...}` (older vLLM).
     error: dict[str, Any] | None = None
     content_deltas: int = 0  # choice deltas carrying text
+    response_id: str | None = None  # a Responses stream's id, from its `response.*` events
 
 
 _NOTHING = ChunkInfo()
@@ -110,6 +115,48 @@ def inspect_event(event: bytes) -> ChunkInfo:
         error = chunk
     usage = TokenUsage.from_json(chunk.get("usage"))
     return ChunkInfo(usage, usage is not None and not chunk.get("choices"), False, error, deltas)
+
+
+# Responses API events that carry generated text, and those that end a stream successfully. A
+# `response.failed` event, or an `error` event, ends it with an error.
+_RESPONSE_DELTAS = ("response.output_text.delta", "response.function_call_arguments.delta",
+                    "response.reasoning_text.delta", "response.refusal.delta")
+_RESPONSE_FINISHED = ("response.completed", "response.incomplete")
+
+
+def inspect_response_event(event: bytes) -> ChunkInfo:
+    """`inspect_event` for the Responses API's typed events (`event: response.…` + `data: {…}`).
+
+    There is no `[DONE]`: `response.completed` (or `response.incomplete`, when the output budget ran
+    out) ends a stream that succeeded and carries its usage; `response.failed` carries the error in
+    `response.error`. Every event is parsed: a stream has one per text delta, each a small object."""
+    data = event_data(event)
+    if data is None:
+        return _NOTHING
+    try:
+        payload = json.loads(data)
+    except ValueError:
+        return _NOTHING
+    if not isinstance(payload, dict):
+        return _NOTHING
+    kind = payload.get("type")
+    if kind in _RESPONSE_DELTAS:
+        return ChunkInfo(content_deltas=1 if payload.get("delta") else 0)
+    response = payload.get("response")
+    response = response if isinstance(response, dict) else {}
+    response_id = response.get("id") if isinstance(response.get("id"), str) else None
+    usage = TokenUsage.from_json(response.get("usage"))
+    if kind in _RESPONSE_FINISHED:
+        return ChunkInfo(usage=usage, done=True, response_id=response_id)
+    error = None
+    if kind == "response.failed":
+        error = response.get("error")
+        error = error if isinstance(error, dict) else {"message": "the response failed"}
+    elif kind == "error":  # {"type": "error", "code", "message", "param"}: the event's own type is not the error's
+        error = {name: value for name, value in payload.items() if name not in ("type", "sequence_number")}
+    elif payload.get("error") is not None:  # an error frame in chat's shape (the gateway's own)
+        error = payload["error"] if isinstance(payload["error"], dict) else {"message": str(payload["error"])}
+    return ChunkInfo(usage=usage, error=error, response_id=response_id)
 
 
 def error_event(body: dict[str, Any]) -> bytes:

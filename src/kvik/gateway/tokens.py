@@ -9,6 +9,10 @@ above: a byte-level BPE token covers at least one byte, so a text's UTF-8 length
 count, plus what a chat template adds per message. Typical text is 3 to 4 bytes per token: the
 reservation is generous and the settlement gives the excess back. Limits clamp the reservation (see
 the limiter), so a generous estimate never makes a request impossible.
+
+One exception to "from above": a Responses request that continues a stored conversation
+(`previous_response_id`) is prompted with earlier turns the gateway never sees in its body. Only
+its new input is reserved; the settlement then charges the replica's count of the whole prompt.
 """
 
 from __future__ import annotations
@@ -47,6 +51,9 @@ def estimate_tokens(body: dict[str, Any], texts: list[str], reserve_completion_t
     messages = body.get("messages")
     if isinstance(messages, list):
         prompt += TEMPLATE_TOKENS_PER_MESSAGE * (len(messages) + 1)
+    items = body.get("input")  # Responses API input items, each a message of the chat prompt
+    if isinstance(items, list) and items and all(isinstance(i, dict) for i in items):
+        prompt += TEMPLATE_TOKENS_PER_MESSAGE * (len(items) + 1)
     if body.get("tools"):
         prompt += len(json.dumps(body["tools"]))  # rendered into the prompt by the template
     prompt_field = body.get("prompt")
@@ -60,7 +67,8 @@ def estimate_tokens(body: dict[str, Any], texts: list[str], reserve_completion_t
         else:
             prompts = len(prompt_field)  # a batch of string prompts, each answered with n choices
     choices = prompts * max(_count(body.get("n")), _count(body.get("best_of")))
-    limits = [v for v in (body.get("max_tokens"), body.get("max_completion_tokens")) if isinstance(v, int)]
+    limits = [v for v in (body.get("max_tokens"), body.get("max_completion_tokens"), body.get("max_output_tokens"))
+              if isinstance(v, int)]
     per_choice = max(limits) if limits else reserve_completion_tokens
     return TokenEstimate(prompt=prompt, completion=choices * per_choice, explicit=bool(limits))
 

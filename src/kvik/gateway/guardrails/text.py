@@ -2,8 +2,10 @@
 
 The texts are, in order: chat message contents (strings and `text` parts), completions prompts (a
 string or a list of strings; token-id prompts have no text), embeddings inputs (the same shapes),
-and every string value inside `chat_template_kwargs` (a chat template may render any of them into
-the prompt, so they are text the model sees, and a way around redaction if left out).
+the Responses API's `instructions` and `input` (a string, or items: message contents as strings or
+`input_text`/`output_text` parts, and `function_call_output` outputs), and every string value inside
+`chat_template_kwargs` (a chat template may render any of them into the prompt, so they are text the
+model sees, and a way around redaction if left out).
 """
 
 from __future__ import annotations
@@ -37,16 +39,26 @@ def map_request_texts(body: dict[str, Any], transform: Callable[[str], str]) -> 
     messages = body.get("messages")
     if isinstance(messages, list):
         out["messages"] = [_map_message(message, transform) for message in messages]
+    instructions = body.get("instructions")  # the Responses API's system message
+    if isinstance(instructions, str):
+        out["instructions"] = transform(instructions)
     for name in ("prompt", "input"):
         value = body.get(name)
         if isinstance(value, str):
             out[name] = transform(value)
         elif isinstance(value, list) and all(isinstance(p, str) for p in value):
             out[name] = [transform(p) for p in value]
+        elif name == "input" and isinstance(value, list):  # Responses API input items
+            out[name] = [_map_item(item, transform) for item in value]
     kwargs = body.get("chat_template_kwargs")
     if isinstance(kwargs, dict):
         out["chat_template_kwargs"] = _map_values(kwargs, transform)
     return out
+
+
+# Content parts whose `text` the model reads: chat's `text`, the Responses API's input and output text.
+# A tuple, not a set: a client's `type` may be any JSON value, a list included (unhashable).
+_TEXT_PARTS = ("text", "input_text", "output_text")
 
 
 def _map_message(message: Any, transform: Callable[[str], str]) -> Any:
@@ -58,12 +70,29 @@ def _map_message(message: Any, transform: Callable[[str], str]) -> Any:
     if isinstance(content, list):
         parts = [
             {**part, "text": transform(part["text"])}
-            if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+            if isinstance(part, dict) and part.get("type") in _TEXT_PARTS and isinstance(part.get("text"), str)
             else part
             for part in content
         ]
         return {**message, "content": parts}
     return message
+
+
+def _map_item(item: Any, transform: Callable[[str], str]) -> Any:
+    """A Responses API input item: a message (the default type) or a tool's output; a model's own
+    `function_call` is left alone, as chat's tool calls are."""
+    if not isinstance(item, dict):
+        return item
+    kind = item.get("type", "message")
+    if kind == "message":
+        return _map_message(item, transform)
+    if kind == "function_call_output":
+        output = item.get("output")
+        if isinstance(output, str):
+            return {**item, "output": transform(output)}
+        if isinstance(output, list):
+            return {**item, "output": _map_message({"content": output}, transform)["content"]}
+    return item
 
 
 def _map_values(node: Any, transform: Callable[[str], str]) -> Any:

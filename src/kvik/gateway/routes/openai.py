@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvik.gateway.openapi import request_body
-from kvik.gateway.serving import CHAT, COMPLETIONS, EMBEDDINGS, ProxyService
+from kvik.gateway.serving import CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES, ProxyService
 from kvik.gateway.state import GatewayState
 
 router = APIRouter()
@@ -31,6 +31,22 @@ async def completions(request: Request) -> Response:
 async def embeddings(request: Request) -> Response:
     service: ProxyService = request.app.state.service
     return await service.handle(request, EMBEDDINGS)
+
+
+@router.post("/v1/responses", openapi_extra=request_body("ResponsesRequest"))
+async def create_response(request: Request) -> Response:
+    service: ProxyService = request.app.state.service
+    return await service.handle(request, RESPONSES)
+
+
+@router.get("/v1/responses/{response_id}")
+@router.delete("/v1/responses/{response_id}")
+async def stored_response(response_id: str, request: Request) -> Response:
+    """A stored response, from (or deleted on) the replica that stores it; only the tenant that made
+    it can reach it (kvik.gateway.stored_responses)."""
+    service: ProxyService = request.app.state.service
+    principal = await service.state.auth.authenticate(request.headers.get("authorization"))
+    return await service.stored.forward(principal, request.method, response_id)
 
 
 @router.get("/v1/models")

@@ -91,6 +91,15 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
             charged_at {real}                   -- when its usage was charged to the key (once)
         )""",
     ]),
+    (6, "stored Responses API responses: which replica holds each, for which tenant", [
+        """CREATE TABLE response_routes (
+            response_id TEXT PRIMARY KEY,       -- the replica's id of the stored response
+            tenant TEXT NOT NULL,               -- kvik.gateway.tenancy.tenant_of the key that made it
+            model TEXT NOT NULL,                -- the gateway's model name it was made with
+            replica TEXT NOT NULL,              -- the replica's URL; only it stores the conversation
+            created_at {real} NOT NULL          -- unix seconds
+        )""",
+    ]),
 ]
 
 

@@ -1,0 +1,130 @@
+"""Stored responses through the gateway: which replica holds each one, and whose it is.
+
+A Responses API call with `store` (the default) leaves the response and its conversation in the
+store of the replica that answered it; no other replica has them. The gateway remembers, per
+response id, the tenant that made it, the model and that replica (`response_routes` in its
+database, so every gateway instance on one PostgreSQL knows), and so:
+
+- `previous_response_id` continues the conversation on that replica and no other: only it has the
+  conversation (and the conversation's KV blocks in its prefix cache). When it is down for now the
+  answer is 503 with Retry-After; when it has left the pool, 404 (the conversation went with it);
+  when the request names a model that replica does not serve, 400.
+- `GET` and `DELETE /v1/responses/{id}` are sent to that replica.
+- A tenant reaches only its own responses: an id another tenant made, or one not made through this
+  gateway, is the same 404 as an unknown id, so one tenant cannot probe for another's. (The replicas
+  check the per-tenant `cache_salt` on `previous_response_id` as well.)
+
+A response relayed without `store` is not remembered. The gateway never caches Responses answers:
+each one is new state on a replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+from fastapi.responses import Response
+
+from kvik.core.errors import InvalidRequestError, NotFoundError, ServiceUnavailableError, UpstreamError
+from kvik.gateway.auth import Principal
+from kvik.gateway.replica import Replica
+from kvik.gateway.router import ModelPool
+from kvik.gateway.state import GatewayState
+from kvik.gateway.tenancy import tenant_of
+
+# What a replica's response ids look like (kvik serve: `resp_` and 32 hex digits; OpenAI's are
+# similar). Anything else a replica returns is not remembered, so no stored id ever needs escaping.
+_RESPONSE_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
+
+
+@dataclass(slots=True, frozen=True)
+class ResponseRoute:
+    response_id: str
+    tenant: str
+    model: str  # the pool's name when it was made
+    replica: str  # the replica's URL
+
+
+def not_found(response_id: str, param: str | None = None) -> NotFoundError:
+    # The same words whether the id is unknown or another tenant's.
+    return NotFoundError(f"No response found with id {response_id[:128]!r}.", param=param)
+
+
+class StoredResponses:
+    def __init__(self, state: GatewayState) -> None:
+        self.state = state
+
+    async def remember(self, response_id: Any, principal: Principal | None, model: str, replica: str) -> None:
+        if not isinstance(response_id, str) or not _RESPONSE_ID.fullmatch(response_id):
+            return
+        await asyncio.to_thread(
+            self.state.db.execute,
+            "INSERT INTO response_routes (response_id, tenant, model, replica, created_at) VALUES (?, ?, ?, ?, ?)",
+            (response_id, tenant_of(principal), model, replica, time.time()))
+
+    async def lookup(self, response_id: str, principal: Principal | None) -> ResponseRoute | None:
+        """The route of one of the caller's tenant's responses; None for any other id."""
+        if not _RESPONSE_ID.fullmatch(response_id):
+            return None
+        row = await asyncio.to_thread(
+            self.state.db.fetchone,
+            "SELECT response_id, tenant, model, replica FROM response_routes WHERE response_id = ? AND tenant = ?",
+            (response_id, tenant_of(principal)))
+        return None if row is None else ResponseRoute(**row)
+
+    async def pin(self, body: dict[str, Any], principal: Principal | None, pool: ModelPool) -> Replica | None:
+        """The replica a request with `previous_response_id` must go to (None without one), or the
+        4xx/503 that says why it cannot go anywhere."""
+        previous = body.get("previous_response_id")
+        if previous is None:
+            return None
+        route = await self.lookup(previous, principal)
+        if route is None:
+            raise not_found(previous, "previous_response_id")
+        replica = next((r for r in pool.replicas if r.url == route.replica), None)
+        if replica is None:
+            if route.model != pool.name:
+                raise InvalidRequestError(
+                    f"previous_response_id: {previous!r} was made by the model {route.model!r}, whose replica "
+                    f"stores the conversation and does not serve {pool.name!r}; continue it with the model "
+                    f"{route.model!r}.", param="model")
+            raise NotFoundError(
+                f"previous_response_id: {previous!r} was stored by a replica of {pool.name!r} that is no longer "
+                f"in this gateway's pool, and its conversation went with it. Start a new conversation (send the "
+                f"earlier turns as input items instead).", param="previous_response_id")
+        if not replica.is_available():
+            raise ServiceUnavailableError(
+                f"The replica that stores the conversation of {previous!r} is unavailable right now "
+                f"({replica.phase}); only it can continue the conversation. Retry later.",
+                retry_after=replica.breaker.retry_after() or 5.0)
+        return replica
+
+    async def forward(self, principal: Principal, method: str, response_id: str) -> Response:
+        """`GET` or `DELETE /v1/responses/{id}` on the replica that stores it."""
+        route = await self.lookup(response_id, principal)
+        if route is None:
+            raise not_found(response_id, "response_id")
+        self.state.auth.authorize_model(principal, route.model)
+        replica = next((r for r in self.state.router.all_replicas() if r.url == route.replica), None)
+        if replica is None:
+            raise NotFoundError(f"Response {response_id!r} was stored by a replica that is no longer in this "
+                                f"gateway's pool, and went with it.", param="response_id")
+        headers = {"accept-encoding": "identity"}
+        if replica.api_key:
+            headers["authorization"] = f"Bearer {replica.api_key}"
+        try:
+            answer = await self.state.client.request(method, f"{replica.url}/v1/responses/{quote(response_id)}",
+                                                     headers=headers)
+        except httpx.TransportError as exc:
+            raise UpstreamError(f"The replica that stores response {response_id!r} could not be reached "
+                                f"({type(exc).__name__}).") from None
+        if method == "DELETE" and answer.status_code in (200, 404):  # deleted now, or gone before
+            await asyncio.to_thread(self.state.db.execute, "DELETE FROM response_routes WHERE response_id = ?",
+                                    (response_id,))
+        return Response(answer.content, status_code=answer.status_code,
+                        media_type=answer.headers.get("content-type", "application/json"))
