@@ -25,7 +25,7 @@ from kvik.gateway.serving import ProxyService
 from kvik.gateway.state import GatewayState
 from kvik.protocol.errors import error_body, error_from_exception
 from kvik.protocol.openai import ChatCompletionRequest, CompletionRequest
-from kvik.protocol.pooling import EmbeddingRequest
+from kvik.protocol.pooling import ClassifyRequest, EmbeddingRequest
 from kvik.protocol.responses import ResponsesRequest
 from kvik.web import PageConfig, install_web
 from kvik.web.tracing import TracingMiddleware
@@ -60,7 +60,8 @@ def create_app(config: GatewayConfig, config_path: Path | None = None) -> FastAP
     install_web(app, PageConfig(product="gateway", conversations="server", console=True))
     served = [name for model in config.models for name in (model.name, *model.aliases)]
     app.openapi = add_components(  # type: ignore[method-assign]
-        app, [ChatCompletionRequest, CompletionRequest, EmbeddingRequest, ResponsesRequest, admin.KeyCreate],
+        app, [ChatCompletionRequest, CompletionRequest, EmbeddingRequest, ClassifyRequest, ResponsesRequest,
+              admin.KeyCreate],
         served_models=served)
     # Outermost first: which listener may serve what, then the size and time limits on bodies.
     app.add_middleware(ClientLimits, max_body_bytes=config.limits.max_body_bytes,

@@ -22,11 +22,12 @@ MAX_TOKENS_LIMIT = 2**31 - 1
 
 @dataclass(slots=True, frozen=True)
 class Endpoint:
-    name: str  # "chat.completions", "completions", "embeddings" or "responses": usage rows, moderation
+    name: str  # "chat.completions", "completions", "embeddings", "classify", "responses": usage rows, moderation
     path: str  # the upstream path
     required_field: str  # "messages", "prompt" or "input"
     # Whether the answer is generated: completion tokens to reserve, sampling that decides whether a
-    # cached answer may stand in. Embeddings are neither: one deterministic vector per input.
+    # cached answer may stand in. Embeddings and classification are neither: one deterministic
+    # vector or set of scores per input.
     generates: bool = True
     # The Responses API: typed stream events ending in `response.completed` (not chat chunks ending in
     # `[DONE]`), never answered from the cache (a stored response is state on one replica), and
@@ -37,6 +38,8 @@ class Endpoint:
 CHAT = Endpoint("chat.completions", "/v1/chat/completions", "messages")
 COMPLETIONS = Endpoint("completions", "/v1/completions", "prompt")
 EMBEDDINGS = Endpoint("embeddings", "/v1/embeddings", "input", generates=False)
+# vLLM's /classify (a sequence-classification or reward model's scores): the inputs of embeddings.
+CLASSIFY = Endpoint("classify", "/classify", "input", generates=False)
 RESPONSES = Endpoint("responses", "/v1/responses", "input", responses=True)
 MAX_RESPONSE_ID_CHARS = 128
 

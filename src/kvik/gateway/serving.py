@@ -1,4 +1,4 @@
-"""The proxy pipeline for `/v1/chat/completions`, `/v1/completions`, `/v1/embeddings` and
+"""The proxy pipeline for `/v1/chat/completions`, `/v1/completions`, `/v1/embeddings`, `/classify` and
 `/v1/responses`, top to bottom:
 
     authenticate -> parse -> route (a stored conversation's replica: `stored_responses`) -> authorize
@@ -39,7 +39,7 @@ from kvik.gateway.guardrails.text import replace_request_texts, request_texts
 from kvik.gateway.proxy import UpstreamAnswer
 from kvik.gateway.relay import CLIENT_LEFT, RelayResponse, StreamRelay, replay
 from kvik.gateway.replica import Outcome
-from kvik.gateway.request_body import (CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES, Endpoint, parse_body,
+from kvik.gateway.request_body import (CHAT, CLASSIFY, COMPLETIONS, EMBEDDINGS, RESPONSES, Endpoint, parse_body,
                                        wants_usage_chunk)
 from kvik.gateway.router import ModelPool
 from kvik.gateway.scheduling import SCHEDULING_FIELDS
@@ -51,7 +51,7 @@ from kvik.gateway.tokens import TokenEstimate, estimate_tokens
 from kvik.gateway.usage import UsageRecord
 from kvik.protocol.errors import error_from_exception
 
-__all__ = ["CHAT", "COMPLETIONS", "EMBEDDINGS", "RESPONSES", "ProxyService"]
+__all__ = ["CHAT", "CLASSIFY", "COMPLETIONS", "EMBEDDINGS", "RESPONSES", "ProxyService"]
 
 # What a client may send as its own x-request-id: visible ASCII, no spaces, as HTTP headers carry it.
 _REQUEST_ID = re.compile(r"[!-~]{1,128}")

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvik.gateway.openapi import request_body
-from kvik.gateway.serving import CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES, ProxyService
+from kvik.gateway.serving import CHAT, CLASSIFY, COMPLETIONS, EMBEDDINGS, RESPONSES, ProxyService
 from kvik.gateway.state import GatewayState
 
 router = APIRouter()
@@ -31,6 +31,13 @@ async def completions(request: Request) -> Response:
 async def embeddings(request: Request) -> Response:
     service: ProxyService = request.app.state.service
     return await service.handle(request, EMBEDDINGS)
+
+
+@router.post("/classify", openapi_extra=request_body("ClassifyRequest"))
+@router.post("/v1/classify", include_in_schema=False)
+async def classify(request: Request) -> Response:
+    service: ProxyService = request.app.state.service
+    return await service.handle(request, CLASSIFY)
 
 
 @router.post("/v1/responses", openapi_extra=request_body("ResponsesRequest"))
