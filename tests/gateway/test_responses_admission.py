@@ -109,14 +109,14 @@ def test_a_continuation_goes_to_its_replica_or_gets_a_4xx_or_503_saying_why() ->
 
     from kvik.core.errors import NotFoundError, ServiceUnavailableError
     from kvik.gateway.auth import Principal
-    from kvik.gateway.config import BreakerConfig, ModelConfig
+    from kvik.gateway.config import BreakerConfig, ModelConfig, ResponsesConfig
     from kvik.gateway.keys import ApiKey
     from kvik.gateway.router import ModelPool
     from kvik.gateway.storage.database import open_database
     from kvik.gateway.stored_responses import StoredResponses
 
     db = open_database("sqlite:///:memory:")
-    stored = StoredResponses(SimpleNamespace(db=db))
+    stored = StoredResponses(SimpleNamespace(db=db, config=SimpleNamespace(responses=ResponsesConfig())))
     pool = ModelPool(ModelConfig(name="m", replicas=[{"url": "http://r1"}, {"url": "http://r2"}]), BreakerConfig())
     other = ModelPool(ModelConfig(name="n", replicas=[{"url": "http://r3"}]), BreakerConfig())
 
@@ -145,6 +145,15 @@ def test_a_continuation_goes_to_its_replica_or_gets_a_4xx_or_503_saying_why() ->
         pool.replicas.pop(1)  # left the pool (a reload, or discovery)
         with pytest.raises(NotFoundError, match="no longer in this gateway's pool"):
             await stored.pin({"previous_response_id": "resp_1"}, owner, pool)
+
+        # Routes expire with the replicas' retention (30 days by default) and are swept.
+        await stored.remember("resp_3", owner, "m", "http://r1")
+        db.execute("UPDATE response_routes SET created_at = created_at - 31 * 86400 WHERE response_id = 'resp_1'")
+        assert await stored.lookup("resp_1", owner) is None and await stored.lookup("resp_3", owner) is not None
+        assert await stored.sweep() == 1 and await stored.sweep() == 0
+        stored.state.config.responses = ResponsesConfig(retention_days=0)  # kept until deleted
+        db.execute("UPDATE response_routes SET created_at = 0")
+        assert await stored.lookup("resp_3", owner) is not None and await stored.sweep() == 0
 
     asyncio.run(scenario())
     db.close()

@@ -6,6 +6,7 @@ input answered with a 4xx in OpenAI's error shape."""
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
@@ -112,6 +113,66 @@ def test_get_and_delete(sdk):
     with pytest.raises(openai.NotFoundError) as raised:
         sdk.responses.create(model="tiny", input="again", previous_response_id=created.id)
     assert raised.value.body["param"] == "previous_response_id"
+
+
+def test_stored_responses_expire_after_the_retention(server_factory, tmp_path_factory):
+    """`--responses-retention-days`: an expired response is 404 for GET, DELETE and
+    previous_response_id on a real server (retention of ~1.7 s here)."""
+    store = tmp_path_factory.mktemp("retention") / "responses.sqlite"
+    server = server_factory("--responses-store", str(store), "--responses-retention-days", "0.00002")
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+    created = client.responses.create(model="tiny", input="Remember me briefly", max_output_tokens=2)
+    assert client.responses.retrieve(created.id).id == created.id
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            client.responses.retrieve(created.id)
+        except openai.NotFoundError:
+            break
+        time.sleep(0.25)
+    else:
+        pytest.fail("the response outlived its retention")
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="tiny", input="again", previous_response_id=created.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(created.id)
+
+
+def test_the_store_sweeps_expired_rows_and_keeps_fresh_ones(tmp_path):
+    import asyncio
+
+    from kvik.server.serving.response_store import ResponseStore, StoredConversation, StoredResponse
+
+    def record(response_id: str, age_days: float) -> StoredResponse:
+        return StoredResponse(response_id, {"id": response_id}, StoredConversation([], "", [], "", []),
+                              created_at=time.time() - age_days * 86400)
+
+    async def scenario() -> None:
+        store = ResponseStore(str(tmp_path / "r.sqlite"), retention_s=30 * 86400)
+        await store.save(record("resp_first", 31))  # the first save sweeps: this row goes at once
+        await store.save(record("resp_old", 31))  # the next sweep is a minute away
+        await store.save(record("resp_new", 1))
+        assert await store.load("resp_old") is None and not await store.delete("resp_old")
+        assert (await store.load("resp_new")).response == {"id": "resp_new"}
+        assert await store.sweep() == 1  # resp_old's row, gone from the file too
+        assert await store.sweep() == 0
+        forever = ResponseStore(str(tmp_path / "f.sqlite"), retention_s=0)
+        await forever.save(record("resp_ancient", 10_000))
+        assert await forever.load("resp_ancient") is not None
+        store.close()
+        forever.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf", "soon"])
+def test_a_bad_retention_is_refused_by_the_command_line(value):
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "kvik", "serve", "--responses-retention-days", value],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "--responses-retention-days" in result.stderr, result.stderr
 
 
 def test_store_false_keeps_nothing(sdk):

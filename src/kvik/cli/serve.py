@@ -78,6 +78,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "GET /v1/responses/{id} and previous_response_id (default: "
                              "$XDG_DATA_HOME/kvik/responses.sqlite, created on first use; ':memory:' "
                              "keeps them only while the server runs)")
+    server.add_argument("--responses-retention-days", type=_days, default=30.0, metavar="DAYS",
+                        help="how long stored responses are kept (default 30, as OpenAI keeps them; 0 "
+                             "keeps them until deleted): each turn stores its whole conversation, so "
+                             "without a limit the store grows with every stored call")
     server.add_argument("--log-prompts", action="store_true",
                         help="include prompt text in the per-request log lines (off by default)")
     server.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -174,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
                           trust_request_chat_template=args.trust_request_chat_template,
                           tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                           responses_store=args.responses_store or default_responses_store(),
+                          responses_retention_s=args.responses_retention_days * 86400.0,
                           tiers=parse_tiers(args.priority_tiers), batch=_batch_config(args, engine_args))
     state = ServerState(config)
     if several:
@@ -238,6 +243,13 @@ def _model_pool(args: argparse.Namespace, engine_args, entries, preprocess):  # 
     return ModelPool(specs, PoolConfig(memory_budget=args.model_memory_budget, max_loaded=args.max_loaded_models,
                                        load_timeout=args.model_load_timeout, drain_timeout=args.drain_timeout,
                                        preprocess=preprocess))
+
+
+def _days(text: str) -> float:
+    days = float(text)
+    if not 0 <= days < float("inf"):  # refuses NaN too
+        raise argparse.ArgumentTypeError(f"must be 0 (keep until deleted) or a number of days, not {text}")
+    return days
 
 
 def default_responses_store() -> str:

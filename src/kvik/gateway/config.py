@@ -281,6 +281,13 @@ class TenancyConfig(_Section):
     cache_salt_secret: str | None = None
 
 
+class ResponsesConfig(_Section):
+    # How long the gateway remembers which replica stored a Responses API response (kvik.gateway.
+    # stored_responses); match the replicas' --responses-retention-days (30 by default). 0: until
+    # the response is deleted through the gateway.
+    retention_days: float = Field(default=30.0, ge=0, allow_inf_nan=False)
+
+
 class SchedulingConfig(_Section):
     # Tier names -> the `priority` the gateway sets on every request of a key in that tier (lower is
     # served first; the server's tiers should use the same numbers). Keys without a tier get
@@ -347,6 +354,7 @@ class GatewayConfig(_Section):
     batches: BatchesConfig | None = None
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     tenancy: TenancyConfig = Field(default_factory=TenancyConfig)
+    responses: ResponsesConfig = Field(default_factory=ResponsesConfig)
     tracing: TracingSection = Field(default_factory=TracingSection)
     reload: ReloadConfig = Field(default_factory=ReloadConfig)
     host: str = "127.0.0.1"

@@ -14,8 +14,10 @@ database, so every gateway instance on one PostgreSQL knows), and so:
   gateway, is the same 404 as an unknown id, so one tenant cannot probe for another's. (The replicas
   check the per-tenant `cache_salt` on `previous_response_id` as well.)
 
-A response relayed without `store` is not remembered. The gateway never caches Responses answers:
-each one is new state on a replica.
+A response relayed without `store` is not remembered. A route is kept for `responses.retention_days`
+(30, the replicas' default `--responses-retention-days`), forgotten when the response is deleted or
+its replica no longer has it, and swept with a new route at most once a minute. The gateway never
+caches Responses answers: each one is new state on a replica.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from kvik.gateway.tenancy import tenant_of
 # What a replica's response ids look like (kvik serve: `resp_` and 32 hex digits; OpenAI's are
 # similar). Anything else a replica returns is not remembered, so no stored id ever needs escaping.
 _RESPONSE_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
+SWEEP_INTERVAL_S = 60.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -58,6 +61,12 @@ def not_found(response_id: str, param: str | None = None) -> NotFoundError:
 class StoredResponses:
     def __init__(self, state: GatewayState) -> None:
         self.state = state
+        self._swept = 0.0  # time.monotonic() of the last sweep
+
+    def _cutoff(self) -> float:
+        """Routes made before this have expired; -1 when none expire (`retention_days: 0`)."""
+        days = self.state.config.responses.retention_days
+        return time.time() - days * 86400 if days > 0 else -1.0
 
     async def remember(self, response_id: Any, principal: Principal | None, model: str, replica: str) -> None:
         if not isinstance(response_id, str) or not _RESPONSE_ID.fullmatch(response_id):
@@ -66,6 +75,18 @@ class StoredResponses:
             self.state.db.execute,
             "INSERT INTO response_routes (response_id, tenant, model, replica, created_at) VALUES (?, ?, ?, ?, ?)",
             (response_id, tenant_of(principal), model, replica, time.time()))
+        if time.monotonic() - self._swept >= SWEEP_INTERVAL_S:
+            self._swept = time.monotonic()
+            await self.sweep()
+
+    async def sweep(self) -> int:
+        """Forget the expired routes; how many there were."""
+        return await asyncio.to_thread(self.state.db.execute, "DELETE FROM response_routes WHERE created_at < ?",
+                                       (self._cutoff(),))
+
+    async def forget(self, response_id: str) -> None:
+        await asyncio.to_thread(self.state.db.execute, "DELETE FROM response_routes WHERE response_id = ?",
+                                (response_id,))
 
     async def lookup(self, response_id: str, principal: Principal | None) -> ResponseRoute | None:
         """The route of one of the caller's tenant's responses; None for any other id."""
@@ -73,8 +94,8 @@ class StoredResponses:
             return None
         row = await asyncio.to_thread(
             self.state.db.fetchone,
-            "SELECT response_id, tenant, model, replica FROM response_routes WHERE response_id = ? AND tenant = ?",
-            (response_id, tenant_of(principal)))
+            "SELECT response_id, tenant, model, replica FROM response_routes WHERE response_id = ? AND tenant = ? "
+            "AND created_at >= ?", (response_id, tenant_of(principal), self._cutoff()))
         return None if row is None else ResponseRoute(**row)
 
     async def pin(self, body: dict[str, Any], principal: Principal | None, pool: ModelPool) -> Replica | None:
@@ -123,8 +144,7 @@ class StoredResponses:
         except httpx.TransportError as exc:
             raise UpstreamError(f"The replica that stores response {response_id!r} could not be reached "
                                 f"({type(exc).__name__}).") from None
-        if method == "DELETE" and answer.status_code in (200, 404):  # deleted now, or gone before
-            await asyncio.to_thread(self.state.db.execute, "DELETE FROM response_routes WHERE response_id = ?",
-                                    (response_id,))
+        if (method == "DELETE" and answer.status_code == 200) or answer.status_code == 404:
+            await self.forget(response_id)  # deleted now, or the replica no longer has it
         return Response(answer.content, status_code=answer.status_code,
                         media_type=answer.headers.get("content-type", "application/json"))

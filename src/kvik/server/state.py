@@ -57,6 +57,7 @@ class ServerConfig:
     batch: BatchConfig = field(default_factory=lambda: BatchConfig(db_path=None))
     # SQLite file of stored Responses API responses (`:memory:`: kept only while the server runs).
     responses_store: str = ":memory:"
+    responses_retention_s: float = 30 * 86400.0  # how long a stored response is kept; 0: until deleted
 
 
 @dataclass(slots=True)

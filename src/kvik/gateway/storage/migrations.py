@@ -99,6 +99,7 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
             replica TEXT NOT NULL,              -- the replica's URL; only it stores the conversation
             created_at {real} NOT NULL          -- unix seconds
         )""",
+        "CREATE INDEX response_routes_created ON response_routes (created_at)",
     ]),
 ]
 

@@ -79,7 +79,7 @@ class Turn:
 class ResponsesServing:
     def __init__(self, state: ServerState) -> None:
         self.state = state
-        self.store = ResponseStore(state.config.responses_store)
+        self.store = ResponseStore(state.config.responses_store, state.config.responses_retention_s)
 
     # -- GET / DELETE --
 
