@@ -176,6 +176,13 @@ def test_bad_input_is_invalid_argument_saying_what_to_fix(stub) -> None:
     unknown = _error(lambda: stub.Chat(pb.ChatRequest(model="nope", messages=[pb.ChatMessage(
         role="user", text="hi")]), metadata=AUTH))
     assert unknown.code() is grpc.StatusCode.NOT_FOUND and "'tiny'" in unknown.details()
+    # An error that quotes a huge client value still fits the client's metadata limit (it arrived as
+    # RESOURCE_EXHAUSTED "Stream removed" before; found by fuzzing the gRPC API).
+    for model in ("m" * 20_000, "é" * 5_000):
+        huge = _error(lambda: stub.Chat(pb.ChatRequest(model=model, messages=[pb.ChatMessage(
+            role="user", text="hi")]), metadata=AUTH))
+        assert huge.code() is grpc.StatusCode.NOT_FOUND, huge.details()[:200]
+        assert huge.details().endswith("... (cut)") and len(huge.details().encode()) < 1100
     for metadata in ((), (("authorization", "Bearer wrong"),)):
         denied = _error(lambda: stub.Chat(chat_request("hi"), metadata=metadata))
         assert denied.code() is grpc.StatusCode.UNAUTHENTICATED and "authorization" in denied.details()

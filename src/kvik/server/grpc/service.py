@@ -60,7 +60,27 @@ def status_code(exc: KvikError) -> grpc.StatusCode:
 
 
 def _ascii(value: Any) -> str:
-    return str(value).encode("ascii", "replace").decode("ascii")
+    return _bounded(str(value).encode("ascii", "replace").decode("ascii"), MAX_PARAM_BYTES)
+
+
+# gRPC carries the status message and the trailers in HTTP/2 headers, which a client refuses past
+# its metadata limit (grpcio: 8 KiB soft, 16 KiB hard, percent-encoding included): an error that
+# quotes a client's 20,000-character model name reached the client as RESOURCE_EXHAUSTED "Stream
+# removed" instead of NOT_FOUND. Errors quote at most this much.
+MAX_DETAILS_BYTES = 1024
+MAX_PARAM_BYTES = 256
+
+
+def _bounded(text: str, limit: int) -> str:
+    raw = text.encode()
+    if len(raw) <= limit:
+        return text
+    return raw[:limit].decode(errors="ignore") + "... (cut)"
+
+
+def details(exc: KvikError) -> str:
+    """The status message: the error's message, cut to fit any client's metadata limit."""
+    return _bounded(exc.message, MAX_DETAILS_BYTES)
 
 
 def error_metadata(exc: KvikError) -> tuple[tuple[str, str], ...]:
@@ -149,7 +169,7 @@ class InferenceService(pb_grpc.InferenceServicer):
         code = status_code(exc)
         if code is grpc.StatusCode.INTERNAL:
             logger.error("gRPC call failed: %s", exc.message)
-        await context.abort(code, exc.message, trailing_metadata=error_metadata(exc))
+        await context.abort(code, details(exc), trailing_metadata=error_metadata(exc))
 
     @contextlib.contextmanager
     def _admitted(self, prepared: PreparedRequest, endpoint: str, stream: bool) -> Iterator[Admission]:
