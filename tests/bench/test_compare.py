@@ -11,7 +11,7 @@ from kvik import LLM
 from kvik.bench import compare
 from kvik.bench.compare import run_decode, single_stream_decode
 from kvik.bench.roofline import ModelShape
-from kvik.engine import scheduler as scheduler_module
+from kvik.engine import multi_step as multi_step_module
 
 
 def test_decode_pairs_each_step_with_a_read(tiny_llama):
@@ -75,7 +75,7 @@ def test_paired_steps_count_the_tokens_of_multi_step_runs(tiny_llama, monkeypatc
     them and is followed by 4 reads, so a token's time and its read still pair up."""
     order: list[str] = []
     monkeypatch.setattr(compare, "stream_reader", lambda buffer: lambda: order.append("r"))
-    monkeypatch.setattr(scheduler_module, "MULTI_STEP_SECONDS", 1e9)  # runs however slow the machine
+    monkeypatch.setattr(multi_step_module, "MULTI_STEP_SECONDS", 1e9)  # runs however slow the machine
     llm = LLM(str(tiny_llama), show_progress=False, kv_cache_memory=2**26, num_scheduler_steps=4)
     engine = logging_steps(llm, order, monkeypatch)
     decode_times, read_times = compare.paired_decode_steps(engine, 8, 10, 4096, burst=4)

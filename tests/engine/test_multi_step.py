@@ -9,7 +9,7 @@ from kvik import LLM, SamplingParams
 from kvik.core.config import EngineArgs
 from kvik.core.errors import ConfigError
 from kvik.core.sampling_params import StructuredOutputs
-from kvik.engine import scheduler as scheduler_module
+from kvik.engine import multi_step as multi_step_module
 from kvik.engine.kv_manager import KVCacheManager
 from kvik.engine.scheduler import Scheduler
 from tests.engine.helpers import make_request
@@ -85,7 +85,7 @@ def engines(tiny_llama):
 @pytest.fixture
 def no_time_cap(monkeypatch):
     """Runs as long as num_scheduler_steps allows, however slow this machine is."""
-    monkeypatch.setattr(scheduler_module, "MULTI_STEP_SECONDS", 1e9)
+    monkeypatch.setattr(multi_step_module, "MULTI_STEP_SECONDS", 1e9)
 
 
 def forwards_counted(llm: LLM) -> list[int]:

@@ -8,7 +8,7 @@ import pytest
 
 from kvik import LLM, SamplingParams
 from kvik.core.sampling_params import OutputKind
-from kvik.engine import scheduler as scheduler_module
+from kvik.engine import multi_step as multi_step_module
 
 
 def assert_no_leaks(engine) -> None:
@@ -49,7 +49,7 @@ def test_random_mix_of_finish_abort_and_preemption(tiny_llama, steps, monkeypatc
     # A pool of 24 blocks of 4 tokens for up to 12 sequences forces preemption. With runs of up
     # to 8 forwards (multi-step decoding, as long as the count allows however slow the machine),
     # sequences finish in fewer steps and blocks go to runs ahead of time.
-    monkeypatch.setattr(scheduler_module, "MULTI_STEP_SECONDS", 1e9)
+    monkeypatch.setattr(multi_step_module, "MULTI_STEP_SECONDS", 1e9)
     llm = LLM(str(tiny_llama), show_progress=False, block_size=4, max_model_len=64,
               kv_cache_memory=24 * 4096, max_num_seqs=12, max_num_batched_tokens=48,
               num_scheduler_steps=steps)

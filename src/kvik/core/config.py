@@ -57,7 +57,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     # Multi-step decoding: forwards a decode step may run back to back, each sampling from the one
-    # before, before the scheduler runs again (kvik.engine.scheduler). Saves the per-token Python
+    # before, before the scheduler runs again (kvik.engine.multi_step). Saves the per-token Python
     # bookkeeping; tokens then reach clients in groups of up to this many. None: 8, or 1 with
     # speculative decoding or LoRA, which it does not combine with (scheduler_steps()).
     num_scheduler_steps: int | None = None

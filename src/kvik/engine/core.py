@@ -17,7 +17,6 @@ Not thread-safe: one thread drives it.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
@@ -30,25 +29,24 @@ from kvik.core.pooling_params import PoolingParams
 from kvik.core.sampling_params import SamplingParams
 from kvik.core.tokenizer import TokenizerSpec
 from kvik.engine import cuda_graphs
-from kvik.engine.device import select_device, select_dtype
+from kvik.engine.device import select_device
 from kvik.engine.kv_manager import KVCacheManager
 from kvik.engine.lora_manager import AdapterManager
 from kvik.engine.messages import (EngineCoreOutput, EngineCoreRequest, EngineInfo, EngineStats, LoRAAdapterInfo,
                                   PoolingInfo)
 from kvik.engine.model_runner import ModelRunner
-from kvik.engine.request import Request, RequestGroup, RequestStatus, check_stop
+from kvik.engine.model_setup import load_served_model
+from kvik.engine.multi_step import run_more_steps
+from kvik.engine.request import Request, RequestGroup, RequestStatus
 from kvik.engine.sampler import Sampler, prompt_logprobs_for
-from kvik.engine.scheduler import SampledTokens, ScheduledChunk, Scheduler
+from kvik.engine.scheduler import SampledTokens, Scheduler
 from kvik.engine.spec_decode import SpecDecoder, build_spec_decoder
 from kvik.engine.structured.matcher import GrammarBackend
 from kvik.engine.scheduling_policy import make_policy
 from kvik.engine.sizing import resolve_max_model_len, resolve_token_budget, size_kv_cache
-from kvik.model.lora import LoRAModel, enable_lora
-from kvik.model.loader import checkpoint_int8_groups, load_model, load_model_config, resolve_model_path
+from kvik.model.loader import load_model_config, resolve_model_path
 from kvik.model.models.registry import model_class as architecture_class
 from kvik.model.pooling import LAST, label_names, load_pooling_config
-from kvik.model.quant import int8_activations, keeps_checkpoint_int4, resolve_precision
-from kvik.model.transforms import optimize_for_inference
 
 logger = logging.getLogger("kvik.engine")
 
@@ -61,23 +59,6 @@ class EngineCore:
         self.device = select_device(args.device)
         path = resolve_model_path(args.model, args.revision)
         self.model_path = path
-        quantization, group_size = args.quantization, args.quantization_group_size
-        if (quantization is None and args.dtype == "auto" and self.device.type == "cpu"
-                and (q8_groups := checkpoint_int8_groups(path))):
-            # A Q8_0 GGUF is served in its own format (exactly: kvik.model.formats.gguf), as a
-            # GPTQ/AWQ/Q4 checkpoint keeps its int4 layers under auto. On CUDA, where int8 layers
-            # are dequantized by PyTorch ops on every call, it loads as bfloat16 instead.
-            quantization, group_size = "int8", q8_groups
-            logger.info("%s stores its linear weights as Q8_0: serving them as int8 with a scale per %d "
-                        "inputs, the file's own codes and scales (--dtype float32 dequantizes them)",
-                        path.name, q8_groups)
-        # What runs in which dtype: on the CPU activations stay float32 and --dtype bfloat16 or
-        # --quantization narrow the linear weights only (kvik.model.quant.resolve_precision).
-        self.precision = resolve_precision(
-            self.device, select_dtype(args.dtype, self.device), quantization=quantization,
-            group_size=group_size, zero_point=args.quantization_zero_point,
-            kv_cache_dtype=args.kv_cache_dtype)
-        self.dtype = self.precision.compute_dtype
         self.model_config = cfg = load_model_config(path)
         self.tokenizer_spec = TokenizerSpec.from_pretrained(args.tokenizer or str(path), args.revision)
         model_class = architecture_class(cfg.architecture)
@@ -89,46 +70,11 @@ class EngineCore:
         self.max_num_batched_tokens = resolve_token_budget(
             args.max_num_batched_tokens, self.max_model_len,
             chunked_prefill=args.enable_chunked_prefill and self.uses_kv_cache)
-
-        started = time.perf_counter()
-        loaded = load_model(path, cfg, self.device, self.dtype, show_progress=args.show_progress,
-                            keep_int4=keeps_checkpoint_int4(args.dtype, args.quantization))
-        if loaded.checkpoint_int4 is not None and loaded.checkpoint_int4.layers:
-            self.precision = dataclasses.replace(self.precision,
-                                                 checkpoint_int4=loaded.checkpoint_int4.describe())
-        self.model = loaded.model
-        self.weight_bytes = loaded.weight_bytes
-        logger.info("loaded %s (%s, %.1f MiB) on %s as %s in %.1fs", path, cfg.architecture,
-                    loaded.weight_bytes / 2**20, self.device, self.dtype, time.perf_counter() - started)
-        # Quantization, oneDNN packing and the compiled CPU kernels, as module swaps.
-        self.transforms = optimize_for_inference(
-            self.model, self.device, self.dtype, weights=self.precision.weights,
-            int8_activations=int8_activations(args.activations, args.quantization),
-            bf16_gemm=False if args.activations == "float32" else None)
-        self.cpu_kernels = self.transforms.kernels
-        self.weight_bytes = self.transforms.weight_bytes
-        self.precision = dataclasses.replace(
-            self.precision, int8_activations=self.transforms.int8_activation_linears > 0,
-            bf16_activations=self.transforms.bf16_activation_linears > 0)
-        logger.info("precision: %s (%.1f MiB of weights)", self.precision.describe(), self.weight_bytes / 2**20)
-        # Multi-LoRA serving: the target linears become LoRA-aware wrappers of whatever the passes
-        # left (float32, oneDNN-packed or quantized), with --max-loras slots of adapter weights.
-        self.adapters: AdapterManager | None = None
-        lora_model: LoRAModel | None = None
-        if args.enable_lora:
-            if "generate" not in self.tasks:
-                raise ConfigError(f"enable_lora: {cfg.architecture} does not generate text; LoRA adapters "
-                                  "are served on generative models")
-            lora_model = enable_lora(self.model, args.max_loras, args.max_lora_rank, self.dtype, self.device)
-            self.adapters = AdapterManager(lora_model, args.max_cpu_loras)
-            self.weight_bytes += lora_model.nbytes
-            logger.info("LoRA: %d slots of rank %d (%.1f MiB)", args.max_loras, args.max_lora_rank,
-                        lora_model.nbytes / 2**20)
-            for name, lora_path in args.lora_module_pairs():
-                try:
-                    self.adapters.add(name, lora_path)
-                except KvikError as exc:
-                    raise ConfigError(f"lora_modules: {name}={lora_path}: {exc.message}") from None
+        served = load_served_model(args, path, cfg, self.device, self.tasks)
+        self.model, self.precision, self.weight_bytes = served.model, served.precision, served.weight_bytes
+        self.dtype = self.precision.compute_dtype
+        self.transforms, self.cpu_kernels = served.transforms, served.transforms.kernels
+        self.adapters, lora_model = served.adapters, served.lora
         # Speculative decoding; a draft model loads now, so its weights and KV share the budget.
         if args.speculative_method is not None and "generate" not in self.tasks:
             raise ConfigError(f"speculative_method: {cfg.architecture} does not generate text "
@@ -380,8 +326,9 @@ class EngineCore:
             new_tokens = {r: SampledTokens([t], [lp] if lp else None)
                           for r, t, lp in zip(requests, sampled.token_ids, sampled.logprobs)}
             if scheduled.num_steps > 1:
-                forwards = self._run_more_steps(result.sample_chunks, scheduled.num_steps, sampled.token_ids,
-                                                new_tokens)
+                forwards = run_more_steps(self.runner.decode_next, self.sampler, result.sample_chunks,
+                                          scheduled.num_steps, sampled.token_ids, new_tokens,
+                                          eos_token_ids=self.scheduler.eos_token_ids, max_model_len=self.max_model_len)
         # Constrained sequences never get drafts (SpecDecoder.propose skips them): their tokens all
         # come from the sampler above.
         failed = self._advance_grammars(requests, sampled.token_ids) if requests else []
@@ -400,35 +347,6 @@ class EngineCore:
             self.spec.propose(self.scheduler.running)
         self.scheduler.observe_step(time.perf_counter() - started, forwards)
         return outputs
-
-    def _run_more_steps(self, chunks: list[ScheduledChunk], num_steps: int, token_ids: list[int],
-                        new_tokens: dict[Request, SampledTokens]) -> int:
-        """The rest of a multi-step run (kvik.engine.scheduler): forwards 2..num_steps, each computing
-        the tokens the one before sampled, appended to `new_tokens`. Stops early once every sequence
-        has sampled a stop token; the scheduler's update drops what a sequence sampled after its
-        stop. The sequences qualify (Request.multi_step_ok), so nothing in their sampling reads the
-        tokens of this run, and the draws happen in the order single steps would make them.
-        Returns the number of forwards the whole step ran."""
-        requests = [chunk.request for chunk in chunks]
-        # A token that ends its sequence. The sequences are as before the run (their tokens are
-        # appended by the scheduler's update), which leaves check_stop the stop and end-of-sequence
-        # tokens to find: runs are capped by max_tokens and the context, and have no min_tokens.
-        eos, max_len = self.scheduler.eos_token_ids, self.max_model_len
-        live = [check_stop(request, token, eos, max_len) is None for request, token in zip(requests, token_ids)]
-        for step in range(1, num_steps):
-            if not any(live):
-                return step
-            logits = self.runner.decode_next(chunks, step, token_ids)
-            sampled = self.sampler(logits, requests)
-            token_ids = sampled.token_ids
-            for row, (request, token, logprob) in enumerate(zip(requests, token_ids, sampled.logprobs)):
-                entry = new_tokens[request]
-                entry.token_ids.append(token)
-                if entry.logprobs is not None:
-                    entry.logprobs.append(logprob)
-                if live[row] and check_stop(request, token, eos, max_len) is not None:
-                    live[row] = False
-        return num_steps
 
     def _advance_grammars(self, requests: list[Request], token_ids: list[int]) -> list[EngineCoreOutput]:
         """Advance each constrained sequence's matcher by its new token. The mask makes a rejection

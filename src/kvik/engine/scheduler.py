@@ -23,14 +23,9 @@ counted in the budget like any other token (drafts that do not fit are dropped, 
 tokens), and blocks are allocated for them; when blocks run short the drafts go before anyone is
 preempted.
 
-Multi-step decoding (`num_scheduler_steps` > 1): a step in which every chunk is one token of a
-plain decode (no drafts, grammar, penalties, min_tokens, pooling or prompt logprobs) and nobody
-waits runs up to that many forwards back to back, each feeding the tokens sampled by the one before
-(`SchedulerOutput.num_steps`; the core drives them), as many as fit in MULTI_STEP_SECONDS at the
-last step's pace. The scheduler allocates the blocks for them up front (if they do not all fit, the
-step is a single one) and caps the count by every sequence's remaining max_tokens and context. The
-sampled tokens come back as one list per sequence, as after a verification, so the bookkeeping
-below is the same; tokens after a stop are dropped there.
+Multi-step decoding (`num_scheduler_steps` > 1, `kvik.engine.multi_step`): a step of plain decode
+tokens while nobody waits may run several forwards back to back (`SchedulerOutput.num_steps`); their
+tokens come back as one list per sequence, as after a verification.
 
 After the model ran, `update_from_output` owns the bookkeeping: it appends the sampled tokens (one,
 or for a verified chunk the accepted drafts plus one), applies the token-level stop conditions after
@@ -57,14 +52,9 @@ from typing import Any
 from kvik.core.errors import KvikError
 from kvik.engine.kv_manager import KVCacheManager
 from kvik.engine.messages import EngineCoreOutput, TokenLogprobs
+from kvik.engine.multi_step import MultiStepPlanner
 from kvik.engine.request import Request, RequestStatus, check_stop
 from kvik.engine.scheduling_policy import FcfsPolicy
-
-
-# The longest a multi-step run should take: a request arriving meanwhile waits for its end, and a
-# stream's tokens come in groups this far apart. At one sequence a CPU decode step takes a few ms,
-# so runs are long; at tens of sequences a step alone takes this long, and runs are single steps.
-MULTI_STEP_SECONDS = 0.025
 
 
 @dataclass(slots=True)
@@ -121,10 +111,7 @@ class Scheduler:
                  max_model_len: int = 2**31, uses_kv_cache: bool = True,
                  policy: FcfsPolicy | None = None, adapters: Any = None, num_scheduler_steps: int = 1) -> None:
         self.kv = kv
-        self.num_scheduler_steps = num_scheduler_steps
-        # Seconds the last step took per forward (observe_step); a run of forwards is kept within
-        # MULTI_STEP_SECONDS, so its cap follows the batch: long at one sequence, none at many.
-        self.seconds_per_forward = float("inf")
+        self.multi_step = MultiStepPlanner(num_scheduler_steps)
         # LoRA slots (kvik.engine.lora_manager.AdapterManager), when adapters are served: a sequence
         # pins its adapter's slot from admission until it leaves the running batch.
         self.adapters = adapters
@@ -152,8 +139,8 @@ class Scheduler:
         budget = self._schedule_running(out, budget)
         if not out.preempted:  # admitting new work right after preempting would thrash
             self._schedule_waiting(out, budget)
-        if self.num_scheduler_steps > 1 and not self.waiting and not out.preempted:
-            out.num_steps = self._plan_steps(out.chunks)
+        if self.multi_step.num_scheduler_steps > 1 and not self.waiting and not out.preempted:
+            out.num_steps = self.multi_step.plan(out.chunks, self.kv, self.max_model_len)
         # Stamped when the step is planned, not when it ends: queue time is the wait for a step,
         # and the step itself is the request's prefill (the front end's `queue`/`prefill` spans).
         now = time.time()
@@ -164,32 +151,9 @@ class Scheduler:
                 group.num_cached_tokens = max(chunk.request.num_cached_tokens, 0)
         return out
 
-    def _plan_steps(self, chunks: list[ScheduledChunk]) -> int:
-        """How many forwards this step may run back to back: up to num_scheduler_steps when every
-        chunk is a plain decode token, capped by each sequence's remaining output and context, and
-        1 unless the blocks for all of them can be had without preempting anyone. A sequence
-        arriving meanwhile waits for the run to end, so runs happen only while nobody waits."""
-        steps = min(self.num_scheduler_steps, int(MULTI_STEP_SECONDS / self.seconds_per_forward))
-        if steps <= 1:
-            return 1
-        for chunk in chunks:
-            request = chunk.request
-            if not (chunk.num_new_tokens == 1 and not chunk.spec_token_ids and request.multi_step_ok
-                    and chunk.start + 1 == request.num_tokens):
-                return 1
-            steps = min(steps, request.max_tokens - request.num_output_tokens,
-                        self.max_model_len - request.num_tokens)
-        if steps <= 1:
-            return 1
-        for chunk in chunks:
-            if not self.kv.allocate_slots(chunk.request, steps):
-                return 1  # blocks taken for the others are theirs for the next steps anyway
-            chunk.block_ids = self.kv.block_ids(chunk.request)
-        return steps
-
     def observe_step(self, seconds: float, forwards: int) -> None:
         """How long the last step took and how many forwards it ran (the core reports each step)."""
-        self.seconds_per_forward = seconds / max(forwards, 1)
+        self.multi_step.observe(seconds, forwards)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         self.running.sort(key=self.policy.running_key)  # the last is the first to give way
