@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvik.gateway.openapi import request_body
+from kvik.gateway.request_body import Endpoint
 from kvik.gateway.serving import CHAT, CLASSIFY, COMPLETIONS, EMBEDDINGS, RESPONSES, ProxyService
 from kvik.gateway.state import GatewayState
 
@@ -15,35 +17,24 @@ router = APIRouter()
 _STARTED = int(time.time())
 
 
-@router.post("/v1/chat/completions", openapi_extra=request_body("ChatCompletionRequest"))
-async def chat_completions(request: Request) -> Response:
-    service: ProxyService = request.app.state.service
-    return await service.handle(request, CHAT)
+def _proxied(endpoint: Endpoint) -> Callable[[Request], Awaitable[Response]]:
+    """The route of an endpoint the gateway proxies (kvik.gateway.serving's pipeline)."""
+
+    async def route(request: Request) -> Response:
+        service: ProxyService = request.app.state.service
+        return await service.handle(request, endpoint)
+
+    return route
 
 
-@router.post("/v1/completions", openapi_extra=request_body("CompletionRequest"))
-async def completions(request: Request) -> Response:
-    service: ProxyService = request.app.state.service
-    return await service.handle(request, COMPLETIONS)
-
-
-@router.post("/v1/embeddings", openapi_extra=request_body("EmbeddingRequest"))
-async def embeddings(request: Request) -> Response:
-    service: ProxyService = request.app.state.service
-    return await service.handle(request, EMBEDDINGS)
-
-
-@router.post("/classify", openapi_extra=request_body("ClassifyRequest"))
-@router.post("/v1/classify", include_in_schema=False)
-async def classify(request: Request) -> Response:
-    service: ProxyService = request.app.state.service
-    return await service.handle(request, CLASSIFY)
-
-
-@router.post("/v1/responses", openapi_extra=request_body("ResponsesRequest"))
-async def create_response(request: Request) -> Response:
-    service: ProxyService = request.app.state.service
-    return await service.handle(request, RESPONSES)
+# (path, endpoint, the request schema in /openapi.json); /v1/classify is /classify's alias, as on kvik serve.
+for _path, _endpoint, _schema in (
+        ("/v1/chat/completions", CHAT, "ChatCompletionRequest"), ("/v1/completions", COMPLETIONS, "CompletionRequest"),
+        ("/v1/embeddings", EMBEDDINGS, "EmbeddingRequest"), ("/classify", CLASSIFY, "ClassifyRequest"),
+        ("/v1/classify", CLASSIFY, None), ("/v1/responses", RESPONSES, "ResponsesRequest")):
+    router.add_api_route(_path, _proxied(_endpoint), methods=["POST"], name=_endpoint.name,
+                         include_in_schema=_schema is not None,
+                         openapi_extra=request_body(_schema) if _schema else None)
 
 
 @router.get("/v1/responses/{response_id}")
