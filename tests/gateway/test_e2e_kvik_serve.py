@@ -372,7 +372,7 @@ def test_responses_continue_on_the_replica_that_stored_them_for_their_tenant_onl
     """The Responses API through the gateway, with the official SDK: a conversation of five turns
     (streamed and not) stays on the replica that stored its first turn, although the balancer
     alternates between the two replicas for requests without `previous_response_id`; the input is
-    redacted; GET and DELETE reach that replica; another tenant gets 404 for all of it; usage rows
+    redacted; GET, its input items and DELETE reach that replica; another tenant gets 404 for all of it; usage rows
     carry the replicas' input and output tokens."""
     from openai import NotFoundError as SdkNotFound
     from openai import OpenAI
@@ -427,13 +427,20 @@ def test_responses_continue_on_the_replica_that_stored_them_for_their_tenant_onl
         assert client.get(f"/v1/responses/{previous}").json() == httpx.get(
             f"{holder.url}/v1/responses/{previous}", timeout=30).json()
     assert sdk.responses.retrieve(previous).id == previous
+    listed = sdk.responses.input_items.list(previous, limit=3, order="asc")
+    direct_items = httpx.get(f"{holder.url}/v1/responses/{previous}/input_items",
+                             params={"limit": 3, "order": "asc"}, timeout=30).json()["data"]
+    assert [(i.id, i.content[0].text) for i in listed.data] == [
+        (i["id"], i["content"][0]["text"]) for i in direct_items]
+    assert listed.has_more and "mail [EMAIL]" in listed.data[0].content[0].text  # the first turn, redacted
     with gateway.client(stranger["key"]) as client:
         peek = client.get(f"/v1/responses/{previous}")
+        peek_items = client.get(f"/v1/responses/{previous}/input_items")
         wipe = client.delete(f"/v1/responses/{previous}")
         hijack = client.post("/v1/responses", json={"model": "tiny", "input": "go on", "previous_response_id": previous,
                                                     "max_output_tokens": MAX_TOKENS})
         unknown = client.get("/v1/responses/resp_0123456789abcdef")
-    for answer in (peek, wipe, hijack, unknown):
+    for answer in (peek, peek_items, wipe, hijack, unknown):
         assert answer.status_code == 404 and answer.json()["error"]["code"] == "not_found", answer.text
     assert hijack.json()["error"]["param"] == "previous_response_id"
     assert stored_on(replicas, previous) == [holder.name]  # the stranger's DELETE changed nothing

@@ -175,6 +175,37 @@ def test_a_bad_retention_is_refused_by_the_command_line(value):
     assert result.returncode == 2 and "--responses-retention-days" in result.stderr, result.stderr
 
 
+def test_input_items_list_the_conversation_before_the_answer(sdk, responses_server):
+    """GET /v1/responses/{id}/input_items through the SDK: every item the response was made from
+    (earlier turns and their answers included, instructions not), newest first by default, the same
+    ids on every read, paged by `after`; bad parameters are 400s naming them."""
+    first = sdk.responses.create(model="tiny", instructions="Be brief.", max_output_tokens=3, temperature=0,
+                                 input=[{"role": "developer", "content": "Answer in English."},
+                                        {"role": "user", "content": [{"type": "input_text", "text": "Hello"}]}])
+    second = sdk.responses.create(model="tiny", input="And then?", previous_response_id=first.id, max_output_tokens=3,
+                                  temperature=0)
+    listed = sdk.responses.input_items.list(second.id)
+    newest_first = [(item.type, item.role, item.content[0].text) for item in listed.data]
+    assert newest_first == [("message", "user", "And then?"), ("message", "assistant", first.output_text),
+                            ("message", "user", "Hello"), ("message", "system", "Answer in English.")]
+    assert listed.data[1].content[0].type == "output_text" and listed.data[0].content[0].type == "input_text"
+    assert listed.first_id == listed.data[0].id and listed.last_id == listed.data[-1].id and not listed.has_more
+    oldest_first = sdk.responses.input_items.list(second.id, order="asc")
+    assert [item.id for item in oldest_first.data] == [item.id for item in reversed(listed.data)]
+    paged = sdk.responses.input_items.list(second.id, limit=1)  # iterating fetches the next pages by `after`
+    assert paged.has_more and [item.id for item in paged] == [item.id for item in listed.data]
+    first_items = sdk.responses.input_items.list(first.id).data  # the first turn's: its input only
+    assert [(i.role, i.content[0].text) for i in first_items] == [(i.role, i.content[0].text) for i in listed.data[2:]]
+
+    url = f"{responses_server.base_url}/responses/{second.id}/input_items"
+    for query, param in (({"limit": 0}, "limit"), ({"limit": 101}, "limit"), ({"order": "sideways"}, "order"),
+                         ({"after": "msg_nope"}, "after"), ({"after": "x" * 200}, "after")):
+        answer = httpx.get(url, params=query)
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == param, (query, answer.text)
+    missing = httpx.get(f"{responses_server.base_url}/responses/resp_missing/input_items")
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "response_id"
+
+
 def test_store_false_keeps_nothing(sdk):
     created = sdk.responses.create(model="tiny", input="Forget me", max_output_tokens=4, store=False)
     assert created.store is False

@@ -9,7 +9,8 @@ database, so every gateway instance on one PostgreSQL knows), and so:
   conversation (and the conversation's KV blocks in its prefix cache). When it is down for now the
   answer is 503 with Retry-After; when it has left the pool, 404 (the conversation went with it);
   when the request names a model that replica does not serve, 400.
-- `GET` and `DELETE /v1/responses/{id}` are sent to that replica.
+- `GET` and `DELETE /v1/responses/{id}`, and `GET /v1/responses/{id}/input_items`, are sent to
+  that replica.
 - A tenant reaches only its own responses: an id another tenant made, or one not made through this
   gateway, is the same 404 as an unknown id, so one tenant cannot probe for another's. (The replicas
   check the per-tenant `cache_salt` on `previous_response_id` as well.)
@@ -125,8 +126,10 @@ class StoredResponses:
                 retry_after=replica.breaker.retry_after() or 5.0)
         return replica
 
-    async def forward(self, principal: Principal, method: str, response_id: str) -> Response:
-        """`GET` or `DELETE /v1/responses/{id}` on the replica that stores it."""
+    async def forward(self, principal: Principal, method: str, response_id: str, *, suffix: str = "",
+                      query: str = "") -> Response:
+        """`GET` or `DELETE /v1/responses/{id}` (or `GET .../input_items`: `suffix`, with the
+        client's `query`) on the replica that stores it."""
         route = await self.lookup(response_id, principal)
         if route is None:
             raise not_found(response_id, "response_id")
@@ -139,12 +142,15 @@ class StoredResponses:
         if replica.api_key:
             headers["authorization"] = f"Bearer {replica.api_key}"
         try:
-            answer = await self.state.client.request(method, f"{replica.url}/v1/responses/{quote(response_id)}",
-                                                     headers=headers)
+            answer = await self.state.client.request(
+                method, f"{replica.url}/v1/responses/{quote(response_id)}{suffix}" + (f"?{query}" if query else ""),
+                headers=headers)
         except httpx.TransportError as exc:
             raise UpstreamError(f"The replica that stores response {response_id!r} could not be reached "
                                 f"({type(exc).__name__}).") from None
-        if (method == "DELETE" and answer.status_code == 200) or answer.status_code == 404:
-            await self.forget(response_id)  # deleted now, or the replica no longer has it
+        # Deleted now, or the replica no longer has it (a 404 for the response itself: a replica
+        # without the input_items route answers 404 for that path too).
+        if (method == "DELETE" and answer.status_code == 200) or (answer.status_code == 404 and not suffix):
+            await self.forget(response_id)
         return Response(answer.content, status_code=answer.status_code,
                         media_type=answer.headers.get("content-type", "application/json"))

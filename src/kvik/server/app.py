@@ -160,6 +160,14 @@ async def _no_receive() -> Message:
     return {"type": "http.disconnect"}
 
 
+def _field_path(loc: Any) -> list[str]:
+    """A field named as OpenAI names it: `limit`, not FastAPI's `query.limit` (nor `body.model`)."""
+    parts = list(loc)
+    if parts[:1] in (["body"], ["query"]):
+        parts = parts[1:]
+    return [str(part) for part in parts]
+
+
 def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
@@ -172,7 +180,7 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         if position and isinstance(position[0], int) and position[0] > 0:
             detail = f"{detail} at character {position[0]}"
         return f"the request body is not valid JSON ({detail})", None
-    locations = [[str(p) for p in e.get("loc", ()) if p != "body"] for e in errors]
+    locations = [_field_path(e.get("loc", ())) for e in errors]
     location = locations[0]
     top = location[0] if location else None
     # A value matching none of a union's branches (prompt: str | list[str] | ...) fails once per

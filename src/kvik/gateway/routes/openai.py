@@ -47,6 +47,15 @@ async def stored_response(response_id: str, request: Request) -> Response:
     return await service.stored.forward(principal, request.method, response_id)
 
 
+@router.get("/v1/responses/{response_id}/input_items")
+async def stored_response_input_items(response_id: str, request: Request) -> Response:
+    """The input items of a stored response, from the replica that stores it (query passed on)."""
+    service: ProxyService = request.app.state.service
+    principal = await service.state.auth.authenticate(request.headers.get("authorization"))
+    return await service.stored.forward(principal, "GET", response_id, suffix="/input_items",
+                                        query=request.url.query)
+
+
 @router.get("/v1/models")
 async def list_models(request: Request) -> Response:
     """The models this gateway serves and the caller's key may use; aliases are listed on each."""

@@ -89,6 +89,26 @@ class ResponsesServing:
             raise _not_found(response_id, "response_id")
         return stored.response
 
+    async def input_items(self, response_id: str, *, after: str | None, limit: int, order: str) -> dict[str, Any]:
+        """The items that made up a stored response's input (its whole conversation before the
+        answer), newest first unless `order` is asc, `limit` at a time after the item `after`."""
+        stored = await self.store.load(response_id)
+        if stored is None:
+            raise _not_found(response_id, "response_id")
+        every = items.conversation_items(response_id, stored.conversation.messages[:-1])  # the last: the answer
+        if order == "desc":
+            every.reverse()
+        start = 0
+        if after is not None:
+            ids = [item["id"] for item in every]
+            if after not in ids:
+                raise InvalidRequestError(f"after: {after[:64]!r} is not an input item of {response_id}; send the "
+                                          f"id of an item of an earlier page (its last_id)", param="after")
+            start = ids.index(after) + 1
+        page = every[start:start + limit]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": start + limit < len(every)}
+
     async def delete(self, response_id: str) -> dict[str, Any]:
         if not await self.store.delete(response_id):
             raise _not_found(response_id, "response_id")

@@ -9,6 +9,7 @@ output items (`output_items`): reasoning, the assistant message as `output_text`
 
 from __future__ import annotations
 
+import hashlib
 import time
 import uuid
 from typing import Any
@@ -201,6 +202,35 @@ def assistant_message(items: list[dict[str, Any]]) -> dict[str, Any]:
     if calls:
         message["tool_calls"] = calls
     return message
+
+
+def conversation_items(response_id: str, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The chat messages of a stored conversation as the Responses API's items, oldest first (for
+    `GET /v1/responses/{id}/input_items`): user and system messages as `input_text`, assistant
+    messages as `output_text` and `function_call` items, tool results as `function_call_output`.
+    Ids are derived from the response id and the position, so they are the same on every read
+    (the `after` cursor relies on that)."""
+    items: list[dict[str, Any]] = []
+
+    def item_id(prefix: str) -> str:
+        return f"{prefix}_{hashlib.sha256(f'{response_id}/{len(items)}'.encode()).hexdigest()[:32]}"
+
+    for message in messages:
+        role, content = message.get("role"), message.get("content") or ""
+        if role == "tool":
+            items.append({"id": item_id("fco"), "type": "function_call_output", "call_id": message.get("tool_call_id"),
+                          "output": content, "status": "completed"})
+        elif role == "assistant":
+            if content or not message.get("tool_calls"):
+                items.append(message_item(item_id("msg"), content, "completed"))
+            for call in message.get("tool_calls") or []:
+                function = call.get("function") or {}
+                items.append(function_call_item(item_id("fc"), call.get("id", ""), function.get("name", ""),
+                                                function.get("arguments", ""), "completed"))
+        else:
+            items.append({"id": item_id("msg"), "type": "message", "role": role, "status": "completed",
+                          "content": [{"type": "input_text", "text": content}]})
+    return items
 
 
 def response_usage(prompt_tokens: int, output_tokens: int, cached_tokens: int) -> dict[str, Any]:
