@@ -206,6 +206,41 @@ def test_input_items_list_the_conversation_before_the_answer(sdk, responses_serv
     assert missing.status_code == 404 and missing.json()["error"]["param"] == "response_id"
 
 
+def test_truncation_auto_drops_the_oldest_turns_that_do_not_fit(sdk, responses_server):
+    """`truncation: "auto"`: a conversation that outgrew the 512-token context continues with its
+    oldest turns dropped (only as many as needed), where "disabled" (the default) is a 400; an input
+    that cannot fit alone is still a 400."""
+    def tokens(text: str) -> int:
+        answer = httpx.post(f"{responses_server.url}/tokenize", json={"model": "tiny", "prompt": text})
+        return len(answer.json()["tokens"])
+
+    unit = "the lighthouse keeper counts waves and writes letters "
+    per_unit = tokens(unit * 10) / 10
+    chunk = unit * int(130 / per_unit)  # about 130 tokens a turn
+    previous = None
+    for turn in range(3):  # three turns of ~130 tokens, each with a short answer: ~400 tokens
+        created = sdk.responses.create(model="tiny", input=f"turn {turn}: {chunk}", previous_response_id=previous,
+                                       max_output_tokens=2, temperature=0)
+        previous = created.id
+    ask = {"model": "tiny", "input": f"turn 3: {chunk}", "previous_response_id": previous, "max_output_tokens": 2}
+    with pytest.raises(openai.BadRequestError) as refused:
+        sdk.responses.create(**ask)
+    assert refused.value.body["code"] == "context_length_exceeded"
+    fitted = sdk.responses.create(**ask, truncation="auto")
+    assert fitted.truncation == "auto" and fitted.usage.input_tokens < 512
+    kept = [item.content[0].text for item in sdk.responses.input_items.list(fitted.id, order="asc")
+            if item.role == "user"]
+    # Four turns of ~130 tokens do not fit 512, three do: only the oldest is dropped.
+    assert [text[:7] for text in kept] == ["turn 1:", "turn 2:", "turn 3:"], fitted.usage.input_tokens
+    # The next turn continues the truncated conversation.
+    after = sdk.responses.create(model="tiny", input="and?", previous_response_id=fitted.id, max_output_tokens=2,
+                                 truncation="auto")
+    assert after.status in ("completed", "incomplete")
+    with pytest.raises(openai.BadRequestError) as alone:
+        sdk.responses.create(model="tiny", input=chunk * 5, max_output_tokens=2, truncation="auto")
+    assert alone.value.body["code"] == "context_length_exceeded" and alone.value.body["param"] == "input"
+
+
 def test_store_false_keeps_nothing(sdk):
     created = sdk.responses.create(model="tiny", input="Forget me", max_output_tokens=4, store=False)
     assert created.store is False
@@ -256,7 +291,7 @@ BAD_REQUESTS = [
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x",
                                          "schema": {"type": "array", "uniqueItems": True}}}},
      400, "text.format.schema"),
-    ({"input": "hi", "truncation": "auto"}, 400, "truncation"),
+    ({"input": "hi", "truncation": "sometimes"}, 400, "truncation"),
     ({"input": "hi", "background": True}, 400, "background"),
     ({"input": "hi", "metadata": {str(i): "v" for i in range(17)}}, 400, "metadata"),
     ({"input": "word " * 600}, 400, "input"),

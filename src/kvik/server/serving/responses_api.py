@@ -27,7 +27,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from kvik.core.errors import InvalidRequestError, KvikError, NotFoundError
+from kvik.core.errors import ContextLengthExceededError, InvalidRequestError, KvikError, NotFoundError
 from kvik.core.outputs import RequestOutput
 from kvik.engine.async_llm import AsyncLLM
 from kvik.engine.input_processor import text_size
@@ -158,11 +158,34 @@ class ResponsesServing:
         return response
 
     async def _prepare(self, body: ResponsesRequest) -> Turn:
-        state = self.state
-        engine, _ = await state.engine_for(body.model)
+        engine, _ = await self.state.engine_for(body.model)
         engine.input_processor.check_task("generate")
         previous = await self._previous(body)
         history = (previous.conversation.messages if previous else []) + items.input_messages(body.input)
+        try:
+            return await self._prepare_history(body, history, engine, previous)
+        except ContextLengthExceededError:
+            if body.truncation != "auto":
+                raise
+        # truncation "auto": drop the fewest whole turns from the start of the conversation (a turn
+        # starts at a user message; the current input is never dropped) that make it fit, found by
+        # bisection over the turn boundaries, so a long conversation is rendered a few times only.
+        starts = [i for i, message in enumerate(history) if message["role"] == "user" and i > 0]
+        low, high, fitted = 0, len(starts) - 1, None
+        while low <= high:
+            middle = (low + high) // 2
+            try:
+                fitted = await self._prepare_history(body, history[starts[middle]:], engine, None)
+                high = middle - 1
+            except ContextLengthExceededError:
+                low = middle + 1
+        if fitted is None:  # even the current input alone is too long: the error says so
+            return await self._prepare_history(body, history[starts[-1]:] if starts else history, engine, None)
+        return fitted
+
+    async def _prepare_history(self, body: ResponsesRequest, history: list[dict[str, Any]], engine: AsyncLLM,
+                               previous: StoredResponse | None) -> Turn:
+        """The turn over `history` (without instructions); `previous`: continue its exact tokens."""
         messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + history
         try:
             chat = ChatCompletionRequest.model_validate(items.chat_fields(body, messages))
@@ -173,7 +196,7 @@ class ResponsesServing:
             rendered = await continuation(engine, previous.conversation, messages_for_template(chat.messages),
                                           template_tools(chat))
         try:
-            prepared = await prepare_chat(state, chat, rendered=rendered)
+            prepared = await prepare_chat(self.state, chat, rendered=rendered)
         except InvalidRequestError as exc:
             # The chat path's names for what the Responses API calls input and max_output_tokens.
             for chat_name, name in (("messages", "input"), ("max_tokens", "max_output_tokens"),

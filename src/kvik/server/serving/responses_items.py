@@ -139,9 +139,8 @@ def chat_response_format(body: ResponsesRequest) -> dict[str, Any] | None:
 def chat_fields(body: ResponsesRequest, messages: list[dict[str, Any]]) -> dict[str, Any]:
     """The chat request that means the same as `body` over `messages`. Refuses (400) what the chat
     API does not implement here rather than letting it be ignored."""
-    for name, value in (("background", body.background), ("truncation", body.truncation == "auto")):
-        if value:
-            raise InvalidRequestError(f"{name}: is not supported by this server", param=name)
+    if body.background:
+        raise InvalidRequestError("background: is not supported by this server", param="background")
     fields: dict[str, Any] = {"model": body.model, "messages": messages, "temperature": body.temperature,
                               "top_p": body.top_p, "max_completion_tokens": body.max_output_tokens,
                               "seed": body.seed, "user": body.user, "cache_salt": body.cache_salt,
