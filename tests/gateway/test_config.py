@@ -68,6 +68,8 @@ def test_replica_urls_are_normalised() -> None:
     ({"guardrails": {"pii": {"patterns": [{"name": "x", "regex": "("}]}}}, "guardrails.pii.patterns[0].regex"),
     ({"guardrails": {"moderation": {"hook": "no_such_module_kvik:check"}}}, "guardrails.moderation.hook"),
     ({"cache": {"backend": "redis"}}, "cache.backend"),
+    ({"responses": {"retention_days": -1}}, "responses.retention_days"),
+    ({"responses": {"retention_days": float("nan")}}, "responses.retention_days"),
 ])
 def test_errors_name_the_field(change: dict, expected: str) -> None:
     with pytest.raises(ConfigError) as info:
