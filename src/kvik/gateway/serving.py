@@ -147,9 +147,11 @@ class ProxyService:
         if answer.streaming:
             return self._relay(answer, log, headers, body, prepared.cache_key)
         if answer.status == 200:
-            log.usage = _usage_of(answer.body) or TokenUsage(log.estimate.prompt, log.estimate.completion)
+            answered = _json_object(answer.body)  # parsed once for its usage and a stored response's id
+            log.usage = (TokenUsage.from_json(answered.get("usage"))
+                         or TokenUsage(log.estimate.prompt, log.estimate.completion))
             if _stores(log.endpoint, body):
-                await self.stored.remember(_json_field(answer.body, "id"), log.principal, pool.name, answer.replica.url)
+                await self.stored.remember(answered.get("id"), log.principal, pool.name, answer.replica.url)
             if cache is not None and prepared.cache_key is not None:
                 await cache.put(prepared.cache_key, CachedResponse(200, answer.content_type, (answer.body,)))
         elif answer.retry_after is not None:
@@ -304,15 +306,10 @@ def _stores(endpoint: Endpoint, body: dict[str, Any]) -> bool:
     return endpoint.responses and body.get("store") is not False
 
 
-def _json_field(body: bytes, name: str) -> Any:
+def _json_object(body: bytes) -> dict[str, Any]:
+    """A replica's JSON answer as an object; {} for anything else."""
     try:
-        return json.loads(body).get(name)
-    except (ValueError, AttributeError, RecursionError):
-        return None
-
-
-def _usage_of(body: bytes) -> TokenUsage | None:
-    try:
-        return TokenUsage.from_json(json.loads(body).get("usage"))
-    except (ValueError, AttributeError, RecursionError):
-        return None
+        answered = json.loads(body)
+    except (ValueError, RecursionError):
+        return {}
+    return answered if isinstance(answered, dict) else {}

@@ -164,9 +164,10 @@ class ResponsesServing:
         history = (previous.conversation.messages if previous else []) + items.input_messages(body.input)
         try:
             return await self._prepare_history(body, history, engine, previous)
-        except ContextLengthExceededError:
+        except ContextLengthExceededError as exc:
             if body.truncation != "auto":
                 raise
+            error = exc
         # truncation "auto": drop the fewest whole turns from the start of the conversation (a turn
         # starts at a user message; the current input is never dropped) that make it fit, found by
         # bisection over the turn boundaries, so a long conversation is rendered a few times only.
@@ -177,10 +178,10 @@ class ResponsesServing:
             try:
                 fitted = await self._prepare_history(body, history[starts[middle]:], engine, None)
                 high = middle - 1
-            except ContextLengthExceededError:
-                low = middle + 1
-        if fitted is None:  # even the current input alone is too long: the error says so
-            return await self._prepare_history(body, history[starts[-1]:] if starts else history, engine, None)
+            except ContextLengthExceededError as exc:
+                low, error = middle + 1, exc
+        if fitted is None:  # even the current input alone (the last probe) is too long: its error says so
+            raise error
         return fitted
 
     async def _prepare_history(self, body: ResponsesRequest, history: list[dict[str, Any]], engine: AsyncLLM,
