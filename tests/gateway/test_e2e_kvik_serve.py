@@ -456,6 +456,44 @@ def test_responses_continue_on_the_replica_that_stored_them_for_their_tenant_onl
         ("tiny", 9, 0, sum(u.input_tokens for u in usages), sum(u.output_tokens for u in usages))]
 
 
+def test_concurrent_continuations_of_a_long_conversation_cannot_overrun_the_budget(gateway: Gateway) -> None:
+    """Each continuation of a stored conversation is prompted with the whole conversation, which its
+    body does not carry: the gateway reserves the replica's count of it. The key is left half the
+    conversation's tokens of its budget, then sends six continuations at once: one is admitted and
+    the others are refused, where reserving only their new input let all six through, each charged
+    the whole conversation."""
+    owner = create_key(gateway, name="responses-budget", token_budget=1_000_000)
+    text = " ".join(f"line {i} of a long conversation" for i in range(60))
+    with gateway.client(owner["key"]) as client, client.stream(
+            "POST", "/v1/responses", json={"model": "tiny", "input": text, "max_output_tokens": MAX_TOKENS,
+                                           "stream": True}) as stream:  # the streamed path records it too
+        assert stream.status_code == 200
+        final = [json.loads(line[6:]) for line in sse_lines(stream) if line.startswith("data: ")][-1]
+    assert final["type"] in ("response.completed", "response.incomplete")
+    usage = final["response"]["usage"]
+    conversation = usage["input_tokens"] + usage["output_tokens"]
+    assert conversation > 300, usage  # so that six new inputs' estimates fit in half of it
+    with gateway.admin() as admin:
+        # Charged when the stream closes, just after its last event reached the client.
+        wait_for(lambda: admin.get(f"/admin/keys/{owner['id']}").json()["tokens_used"] >= conversation)
+        used = admin.get(f"/admin/keys/{owner['id']}").json()["tokens_used"]
+        assert admin.patch(f"/admin/keys/{owner['id']}",
+                           json={"token_budget": used + conversation // 2}).status_code == 200
+
+    async def continue_six() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=60,
+                                     headers={"Authorization": f"Bearer {owner['key']}"}) as client:
+            return await asyncio.gather(*(client.post("/v1/responses", json={
+                "model": "tiny", "input": f"go on {i}", "previous_response_id": final["response"]["id"],
+                "max_output_tokens": 32}) for i in range(6)))
+
+    answers = asyncio.run(continue_six())
+    statuses = sorted(answer.status_code for answer in answers)
+    assert statuses == [200] + [429] * 5, [answer.text for answer in answers]
+    refused = next(answer for answer in answers if answer.status_code == 429)
+    assert refused.json()["error"]["code"] == "insufficient_quota", refused.text
+
+
 def test_mutated_requests_through_the_gateway_get_success_or_a_clear_4xx(gateway: Gateway,
                                                                           replicas: list[KvikServe]) -> None:
     """Hostile variants of valid chat, completions, embeddings, Responses and conversation bodies

@@ -51,6 +51,9 @@ def test_the_estimate_counts_items_as_messages_and_max_output_tokens_as_the_comp
     assert estimate.prompt == sum(len(t) for t in texts) + TEMPLATE_TOKENS_PER_MESSAGE * 3
     assert (estimate.completion, estimate.explicit) == (40, True)
     assert estimate_tokens({"model": "m", "input": "x"}, ["x"], reserve_completion_tokens=256).completion == 256
+    # A continuation is also prompted with the stored conversation: that is reserved too.
+    continued = estimate.continuing(500)
+    assert (continued.prompt, continued.completion, continued.explicit) == (estimate.prompt + 500, 40, True)
 
 
 @pytest.mark.parametrize("field,value", [
@@ -127,11 +130,12 @@ def test_a_continuation_goes_to_its_replica_or_gets_a_4xx_or_503_saying_why() ->
     owner, stranger = principal("a"), principal("b")
 
     async def scenario() -> None:
-        await stored.remember("resp_1", owner, "m", "http://r2")
-        await stored.remember("../etc", owner, "m", "http://r2")  # not an id a replica makes: ignored
-        await stored.remember(None, owner, "m", "http://r2")
+        await stored.remember("resp_1", owner, "m", "http://r2", 321)
+        await stored.remember("../etc", owner, "m", "http://r2", 5)  # not an id a replica makes: ignored
+        await stored.remember(None, owner, "m", "http://r2", 5)
         assert await stored.pin({"input": "x"}, owner, pool) is None
-        assert (await stored.pin({"previous_response_id": "resp_1"}, owner, pool)).url == "http://r2"
+        continuation = await stored.pin({"previous_response_id": "resp_1"}, owner, pool)
+        assert (continuation.replica.url, continuation.context_tokens) == ("http://r2", 321)
         for who, body in ((stranger, {"previous_response_id": "resp_1"}),
                           (owner, {"previous_response_id": "resp_2"}),
                           (owner, {"previous_response_id": "../etc"})):
@@ -147,7 +151,7 @@ def test_a_continuation_goes_to_its_replica_or_gets_a_4xx_or_503_saying_why() ->
             await stored.pin({"previous_response_id": "resp_1"}, owner, pool)
 
         # Routes expire with the replicas' retention (30 days by default) and are swept.
-        await stored.remember("resp_3", owner, "m", "http://r1")
+        await stored.remember("resp_3", owner, "m", "http://r1", 0)
         db.execute("UPDATE response_routes SET created_at = created_at - 31 * 86400 WHERE response_id = 'resp_1'")
         assert await stored.lookup("resp_1", owner) is None and await stored.lookup("resp_3", owner) is not None
         assert await stored.sweep() == 1 and await stored.sweep() == 0

@@ -122,7 +122,9 @@ class ProxyService:
         pool = state.router.resolve(body["model"])
         log.model = pool.name
         state.auth.authorize_model(log.principal, pool.name)
-        pinned = await self.stored.pin(body, log.principal, pool) if log.endpoint.responses else None
+        continuation = await self.stored.pin(body, log.principal, pool) if log.endpoint.responses else None
+        if continuation is not None:
+            log.estimate = log.estimate.continuing(continuation.context_tokens)
         await self._admit(log)
         prepared = await self._prepare(body, texts, pool, log, request.headers, len(raw))
 
@@ -138,7 +140,8 @@ class ProxyService:
         try:
             answer = await unless_disconnected(request, state.proxy.send(
                 pool, log.endpoint.path, prepared.payload, stream=log.stream, context=prepared.context,
-                request_id=log.request_id, pinned=pinned))
+                request_id=log.request_id,
+                pinned=continuation.replica if continuation is not None else None))
         except ClientDisconnected:
             # The replica was asked and has likely read the prompt: charge that (estimated).
             log.usage = TokenUsage(log.estimate.prompt, 0)
@@ -151,7 +154,8 @@ class ProxyService:
             log.usage = (TokenUsage.from_json(answered.get("usage"))
                          or TokenUsage(log.estimate.prompt, log.estimate.completion))
             if _stores(log.endpoint, body):
-                await self.stored.remember(answered.get("id"), log.principal, pool.name, answer.replica.url)
+                await self.stored.remember(answered.get("id"), log.principal, pool.name, answer.replica.url,
+                                           log.usage.total_tokens)
             if cache is not None and prepared.cache_key is not None:
                 await cache.put(prepared.cache_key, CachedResponse(200, answer.content_type, (answer.body,)))
         elif answer.retry_after is not None:
@@ -234,7 +238,9 @@ class ProxyService:
         replica = answer.replica
 
         async def remember(relay: StreamRelay) -> None:
-            await self.stored.remember(relay.response_id, log.principal, log.model, replica.url)
+            # The final event carries the usage (None only from a replica that sends none).
+            context = relay.usage.total_tokens if relay.usage is not None else log.estimate.total
+            await self.stored.remember(relay.response_id, log.principal, log.model, replica.url, context)
 
         # A Responses stream is relayed as it comes (its usage rides on its last event); chat and
         # completions streams lose the usage chunk the gateway asked for on the client's behalf.

@@ -52,6 +52,15 @@ class ResponseRoute:
     tenant: str
     model: str  # the pool's name when it was made
     replica: str  # the replica's URL
+    context_tokens: int  # the conversation's tokens up to and including this response
+
+
+@dataclass(slots=True, frozen=True)
+class Continuation:
+    """Where a request with `previous_response_id` must go, and the tokens of the conversation it
+    continues: its prompt beyond its own input, reserved at admission like the input itself."""
+    replica: Replica
+    context_tokens: int
 
 
 def not_found(response_id: str, param: str | None = None) -> NotFoundError:
@@ -69,13 +78,16 @@ class StoredResponses:
         days = self.state.config.responses.retention_days
         return time.time() - days * 86400 if days > 0 else -1.0
 
-    async def remember(self, response_id: Any, principal: Principal | None, model: str, replica: str) -> None:
+    async def remember(self, response_id: Any, principal: Principal | None, model: str, replica: str,
+                       context_tokens: int) -> None:
+        """`context_tokens`: the response's input plus output tokens, as its replica counted them."""
         if not isinstance(response_id, str) or not _RESPONSE_ID.fullmatch(response_id):
             return
         await asyncio.to_thread(
             self.state.db.execute,
-            "INSERT INTO response_routes (response_id, tenant, model, replica, created_at) VALUES (?, ?, ?, ?, ?)",
-            (response_id, tenant_of(principal), model, replica, time.time()))
+            "INSERT INTO response_routes (response_id, tenant, model, replica, created_at, context_tokens) "
+            "VALUES (?, ?, ?, ?, ?, ?)",
+            (response_id, tenant_of(principal), model, replica, time.time(), max(0, context_tokens)))
         if time.monotonic() - self._swept >= SWEEP_INTERVAL_S:
             self._swept = time.monotonic()
             await self.sweep()
@@ -95,13 +107,13 @@ class StoredResponses:
             return None
         row = await asyncio.to_thread(
             self.state.db.fetchone,
-            "SELECT response_id, tenant, model, replica FROM response_routes WHERE response_id = ? AND tenant = ? "
+            "SELECT response_id, tenant, model, replica, context_tokens FROM response_routes WHERE response_id = ? AND tenant = ? "
             "AND created_at >= ?", (response_id, tenant_of(principal), self._cutoff()))
         return None if row is None else ResponseRoute(**row)
 
-    async def pin(self, body: dict[str, Any], principal: Principal | None, pool: ModelPool) -> Replica | None:
-        """The replica a request with `previous_response_id` must go to (None without one), or the
-        4xx/503 that says why it cannot go anywhere."""
+    async def pin(self, body: dict[str, Any], principal: Principal | None, pool: ModelPool) -> Continuation | None:
+        """Where a request with `previous_response_id` must go (None without one), or the 4xx/503
+        that says why it cannot go anywhere."""
         previous = body.get("previous_response_id")
         if previous is None:
             return None
@@ -124,7 +136,7 @@ class StoredResponses:
                 f"The replica that stores the conversation of {previous!r} is unavailable right now "
                 f"({replica.phase}); only it can continue the conversation. Retry later.",
                 retry_after=replica.breaker.retry_after() or 5.0)
-        return replica
+        return Continuation(replica, route.context_tokens)
 
     async def forward(self, principal: Principal, method: str, response_id: str, *, suffix: str = "",
                       query: str = "") -> Response:

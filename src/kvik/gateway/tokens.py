@@ -10,9 +10,11 @@ count, plus what a chat template adds per message. Typical text is 3 to 4 bytes 
 reservation is generous and the settlement gives the excess back. Limits clamp the reservation (see
 the limiter), so a generous estimate never makes a request impossible.
 
-One exception to "from above": a Responses request that continues a stored conversation
-(`previous_response_id`) is prompted with earlier turns the gateway never sees in its body. Only
-its new input is reserved; the settlement then charges the replica's count of the whole prompt.
+A Responses request that continues a stored conversation (`previous_response_id`) is prompted
+with earlier turns the gateway never sees in its body. It reserves them as well: the gateway keeps
+the replica's count of each stored response's input and output tokens (`stored_responses`) and
+adds it to the new input's estimate, so concurrent continuations of a long conversation cannot each
+slip under a budget or TPM limit that their whole prompts overrun.
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ class TokenEstimate:
     @property
     def total(self) -> int:
         return self.prompt + self.completion
+
+    def continuing(self, context_tokens: int) -> TokenEstimate:
+        """This estimate for a request that is also prompted with a stored conversation's tokens."""
+        return TokenEstimate(self.prompt + context_tokens, self.completion, self.explicit)
 
 
 def estimate_tokens(body: dict[str, Any], texts: list[str], reserve_completion_tokens: int, *,

@@ -101,6 +101,11 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
         )""",
         "CREATE INDEX response_routes_created ON response_routes (created_at)",
     ]),
+    (7, "the tokens a stored response's conversation holds, reserved when a request continues it", [
+        # input + output tokens of the stored response, as its replica counted them: what a request
+        # with previous_response_id is prompted with besides its own input (kvik.gateway.tokens)
+        "ALTER TABLE response_routes ADD COLUMN context_tokens INTEGER NOT NULL DEFAULT 0",
+    ]),
 ]
 
 
