@@ -6,7 +6,8 @@ from collections import Counter
 
 from kvik.gateway.balancing import RoutingContext, make_strategy
 from kvik.gateway.balancing.prefix_affinity import affinity_key
-from kvik.gateway.config import BreakerConfig, ModelConfig
+from kvik.gateway.config import BreakerConfig
+from kvik.gateway.model_config import ModelConfig
 from kvik.gateway.router import ModelPool
 
 

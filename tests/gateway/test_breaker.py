@@ -87,7 +87,7 @@ def test_neutral_outcome_frees_the_probe_slot() -> None:
 
 
 def breaker_pool(replicas: int, panics: list[str] | None = None, **settings: float):  # noqa: ANN201
-    from kvik.gateway.config import ModelConfig
+    from kvik.gateway.model_config import ModelConfig
     from kvik.gateway.router import ModelPool
 
     panic = settings.pop("panic_threshold_percent", 50.0)

@@ -13,7 +13,8 @@ import pytest
 from kvik.core.errors import ConfigError
 from kvik.gateway.balancing import RoutingContext
 from kvik.gateway.breaker import BreakerState
-from kvik.gateway.config import DnsDiscoveryConfig, FileDiscoveryConfig, GatewayConfig, parse_config
+from kvik.gateway.config import GatewayConfig, parse_config
+from kvik.gateway.model_config import DnsDiscoveryConfig, FileDiscoveryConfig
 from kvik.gateway.discovery import DnsResolver, DnsSource, Endpoint, FileSource, LookupFailed
 from kvik.gateway.reload import _keep_restart_only
 from kvik.gateway.replica import Outcome

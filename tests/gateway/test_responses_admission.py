@@ -112,7 +112,8 @@ def test_a_continuation_goes_to_its_replica_or_gets_a_4xx_or_503_saying_why() ->
 
     from kvik.core.errors import NotFoundError, ServiceUnavailableError
     from kvik.gateway.auth import Principal
-    from kvik.gateway.config import BreakerConfig, ModelConfig, ResponsesConfig
+    from kvik.gateway.config import BreakerConfig, ResponsesConfig
+    from kvik.gateway.model_config import ModelConfig
     from kvik.gateway.keys import ApiKey
     from kvik.gateway.router import ModelPool
     from kvik.gateway.storage.database import open_database

@@ -31,7 +31,7 @@ from typing import Protocol
 
 from pydantic import ValidationError
 
-from kvik.gateway.config import DnsDiscoveryConfig, FileDiscoveryConfig, ModelConfig, ReplicaConfig
+from kvik.gateway.model_config import DnsDiscoveryConfig, FileDiscoveryConfig, ModelConfig, ReplicaConfig
 
 logger = logging.getLogger("kvik.gateway.discovery")
 

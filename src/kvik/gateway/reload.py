@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from kvik.core.errors import ConfigError
-from kvik.gateway.config import GatewayConfig, ReplicaConfig, load_config
+from kvik.gateway.config import GatewayConfig, load_config
+from kvik.gateway.model_config import ReplicaConfig
 from kvik.gateway.discovery import Discovery
 from kvik.gateway.guardrails.moderation import ModerationHook
 from kvik.gateway.guardrails.pii import PiiRedactor

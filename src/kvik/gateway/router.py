@@ -12,7 +12,8 @@ from kvik.core.tracing import traced
 from kvik.gateway.balancing import BalancingStrategy, RoutingContext, make_strategy
 from kvik.gateway.balancing.prefix_affinity import affinity_key
 from kvik.gateway.breaker import BreakerState, CircuitBreaker
-from kvik.gateway.config import BreakerConfig, GatewayConfig, ModelConfig, ReplicaConfig
+from kvik.gateway.config import BreakerConfig, GatewayConfig
+from kvik.gateway.model_config import ModelConfig, ReplicaConfig
 from kvik.gateway.replica import Replica
 
 logger = logging.getLogger("kvik.gateway.router")

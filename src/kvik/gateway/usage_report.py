@@ -9,7 +9,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from kvik.gateway.config import PricingConfig
+from kvik.gateway.model_config import PricingConfig
 from kvik.gateway.storage.database import Database
 
 DAY_S = 86_400

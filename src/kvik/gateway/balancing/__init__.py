@@ -8,7 +8,7 @@ from kvik.gateway.balancing.base import BalancingStrategy, RoutingContext
 from kvik.gateway.balancing.least_outstanding import LeastOutstanding
 from kvik.gateway.balancing.prefix_affinity import PrefixAffinity
 from kvik.gateway.balancing.weighted_round_robin import WeightedRoundRobin
-from kvik.gateway.config import ModelConfig
+from kvik.gateway.model_config import ModelConfig
 from kvik.gateway.replica import Replica
 
 __all__ = ["BalancingStrategy", "RoutingContext", "make_strategy"]

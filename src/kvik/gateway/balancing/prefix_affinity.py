@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from kvik.gateway.balancing.base import BalancingStrategy, RoutingContext
 from kvik.gateway.balancing.least_outstanding import Rotation, least_loaded
-from kvik.gateway.config import PrefixAffinityConfig
+from kvik.gateway.model_config import PrefixAffinityConfig
 from kvik.gateway.replica import Replica
 
 
