@@ -140,6 +140,62 @@ def test_a_run_stops_where_a_single_step_would(engines, no_time_cap):
     assert again.token_ids == free.token_ids
 
 
+def test_greedy_runs_in_one_compiled_call_give_the_tokens_of_single_steps(engines, no_time_cap):
+    """Runs of plain greedy rows go to the decode stack's greedy_steps (forwards, LM head and argmax
+    in C++): the tokens of single steps, rows that stop early or at once included, and no more
+    forwards than a run in Python makes."""
+    llm = engines[8]
+    runner = llm.engine.core.runner
+    fused: list[list[list[int]]] = []
+    original = runner.greedy_steps
+
+    def recorded(*args, **kwargs):
+        steps = original(*args, **kwargs)
+        if steps is not None:
+            fused.append(steps)
+        return steps
+
+    runner.greedy_steps = recorded
+    prompts = ["The weather today", "Once upon a time", "12345 678", "Hello", "A", "Two words"]
+    free = engines[1].generate(prompts, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    first = free[0].outputs[0].token_ids
+    assert first.index(first[9]) > 1  # a stop inside a run, not on the first token
+    # Row 0 stops at its 10th token's first appearance (inside a run), row 1 on its first token.
+    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[first[9]]),
+              SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[free[1].outputs[0].token_ids[0]]),
+              *(SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (30, 17, 5, 23))]
+    try:
+        single = engines[1].generate(prompts, params)
+        runs = llm.generate(prompts, params)
+    finally:
+        runner.greedy_steps = original
+    if runner._greedy_head is None or runner._greedy_head[1] is None:
+        pytest.skip("no compiled decode stack here: runs take the Python path, tested above")
+    assert fused and sum(len(steps) for steps in fused) > 20, fused
+    for one, many in zip(single, runs):
+        a, b = one.outputs[0], many.outputs[0]
+        assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason)
+    assert runs[0].outputs[0].token_ids == first[:first.index(first[9]) + 1]
+    assert len(runs[1].outputs[0].token_ids) == 1
+    # Alone, a row that stops inside a run ends the run there: no forward past its stop token.
+    fused.clear()
+    runner.greedy_steps = recorded
+    try:
+        alone = llm.generate(prompts[:1], params[:1])[0].outputs[0]
+    finally:
+        runner.greedy_steps = original
+    assert alone.token_ids == runs[0].outputs[0].token_ids
+    assert fused and fused[-1][-1] == [first[9]], fused
+    # Its inputs are checked: a block table that does not cover the run is an error, not a stray read.
+    import torch
+
+    body, head = runner.model.model, runner._greedy_head[1]
+    one = torch.tensor([5])
+    with pytest.raises(RuntimeError, match="does not cover the run"):
+        body.greedy_steps(head, one, torch.tensor([15]), torch.tensor([[0]]), runner.block_size, 4,
+                          torch.tensor([[-1]]), torch.tensor([True]))
+
+
 def test_a_structured_request_in_the_batch_keeps_every_step_single(engines, no_time_cap):
     llm = engines[8]
     count = forwards_counted(llm)

@@ -328,7 +328,8 @@ class EngineCore:
             if scheduled.num_steps > 1:
                 forwards = run_more_steps(self.runner.decode_next, self.sampler, result.sample_chunks,
                                           scheduled.num_steps, sampled.token_ids, new_tokens,
-                                          eos_token_ids=self.scheduler.eos_token_ids, max_model_len=self.max_model_len)
+                                          eos_token_ids=self.scheduler.eos_token_ids, max_model_len=self.max_model_len,
+                                          greedy_steps=self.runner.greedy_steps)
         # Constrained sequences never get drafts (SpecDecoder.propose skips them): their tokens all
         # come from the sampler above.
         failed = self._advance_grammars(requests, sampled.token_ids) if requests else []

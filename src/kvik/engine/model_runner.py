@@ -29,6 +29,7 @@ from kvik.model.layers.kv_cache import PagedKVCache, kv_bytes_per_token
 from kvik.model.lora import LoRAModel
 from kvik.model.pooling import PoolingConfig, PoolSpan, finish_embeddings, pool
 from kvik.model.transforms import bind_kv_cache
+from kvik.model.transforms.decode_stack import DecodeStackModel, greedy_head
 
 
 @dataclass(slots=True)
@@ -80,6 +81,7 @@ class ModelRunner:
         self.pooling = pooling
         self.has_kv_cache = num_blocks > 0
         self.graphs: DecodeGraphs | None = None
+        self._greedy_head: tuple[object, object] | None = None  # (decode stack, its LM head's kernel)
         if not self.has_kv_cache:  # an encoder
             self.kv_cache = None
             self.cache_binding = None
@@ -208,6 +210,35 @@ class ModelRunner:
         chunk.start + step, in a slot the scheduler allocated for the run. Returns the rows'
         logits, (rows, vocab) float32."""
         return _in_inference_mode(self._decode_rows, chunks, token_ids, step)
+
+    def greedy_steps(self, chunks: list[ScheduledChunk], token_ids: list[int], steps: int,
+                     stop_ids: list[list[int]], live: list[bool]) -> list[list[int]] | None:
+        """Forwards 1..steps of a multi-step run whose rows all decode greedily (no logprobs, no
+        logit processors), in one compiled call (DecodeStackModel.greedy_steps): what decode_next
+        and the sampler's argmax would give, step by step, without Python between the forwards.
+        Returns each forward's tokens, one per row, fewer than `steps` once every row has chosen
+        one of its `stop_ids` (or was not `live`); None where that call does not apply (not the
+        CPU's decode stack, or an LM head without a compiled kernel)."""
+        body = getattr(self.model, "model", None)
+        if (not self.on_cpu or self.graphs is not None or not isinstance(body, DecodeStackModel)
+                or len(chunks) > body.decode_stack_rows
+                or (body.lora_context is not None and body.lora_context.active)):
+            return None
+        if self._greedy_head is None or self._greedy_head[0] is not body.decode_stack:
+            self._greedy_head = (body.decode_stack, greedy_head(self.model))  # per stack: rebuilt on a new cache
+        head = self._greedy_head[1]
+        if head is None:
+            return None
+        width = max(len(chunk.block_ids) for chunk in chunks)
+        tables = [chunk.block_ids + [0] * (width - len(chunk.block_ids)) for chunk in chunks]
+        stops = max(1, max(len(ids) for ids in stop_ids))
+        stop_table = [ids + [-1] * (stops - len(ids)) for ids in stop_ids]
+        tokens = _in_inference_mode(
+            body.greedy_steps, head, torch.tensor(token_ids, dtype=torch.long),
+            torch.tensor([chunk.start + 1 for chunk in chunks], dtype=torch.long),
+            torch.tensor(tables, dtype=torch.long), self.block_size, steps,
+            torch.tensor(stop_table, dtype=torch.long), torch.tensor(live, dtype=torch.bool))
+        return tokens.tolist()
 
     def _decode_rows(self, chunks: list[ScheduledChunk], ids: list[int], step: int) -> torch.Tensor:
         size = self.block_size

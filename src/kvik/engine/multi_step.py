@@ -68,19 +68,35 @@ class MultiStepPlanner:
 def run_more_steps(decode_next: Callable[[list[ScheduledChunk], int, list[int]], Any],
                    sample: Callable[[Any, list[Request]], Any], chunks: list[ScheduledChunk], num_steps: int,
                    token_ids: list[int], new_tokens: dict[Request, SampledTokens], *,
-                   eos_token_ids: frozenset[int], max_model_len: int) -> int:
+                   eos_token_ids: frozenset[int], max_model_len: int,
+                   greedy_steps: Callable[..., list[list[int]] | None] | None = None) -> int:
     """The rest of a run: forwards 2..num_steps (`decode_next`, the runner's), each computing the
     tokens the one before sampled (`sample`, the sampler), appended to `new_tokens`. Stops early once
     every sequence has sampled a stop token; the scheduler's update drops what a sequence sampled
     after its stop. The sequences qualify (Request.multi_step_ok), so nothing in their sampling reads
-    the tokens of this run, and the draws happen in the order single steps would make them. Returns
-    the number of forwards the whole step ran."""
+    the tokens of this run, and the draws happen in the order single steps would make them. Where
+    every sequence decodes greedily with no logprobs or logit bias, `greedy_steps` (the runner's)
+    runs all those forwards and their argmax in one compiled call when it can. Returns the number of
+    forwards the whole step ran."""
     requests = [chunk.request for chunk in chunks]
     # A token that ends its sequence. The sequences are as before the run (their tokens are
     # appended by the scheduler's update), which leaves check_stop the stop and end-of-sequence
     # tokens to find: runs are capped by max_tokens and the context, and have no min_tokens.
     live = [check_stop(request, token, eos_token_ids, max_model_len) is None
             for request, token in zip(requests, token_ids)]
+    if not any(live):
+        return 1
+    if greedy_steps is not None and all(_plain_greedy(request) for request in requests):
+        # The tokens check_stop would stop at, given no min_tokens: end of sequence unless ignored,
+        # and the request's stop token ids.
+        stop_ids = [[*(() if r.params.ignore_eos else sorted(eos_token_ids)), *r.params.stop_token_ids]
+                    for r in requests]
+        steps = greedy_steps(chunks, token_ids, num_steps - 1, stop_ids, live)
+        if steps is not None:
+            for step_tokens in steps:
+                for request, token in zip(requests, step_tokens):
+                    new_tokens[request].token_ids.append(token)
+            return 1 + len(steps)
     for step in range(1, num_steps):
         if not any(live):
             return step
@@ -94,3 +110,10 @@ def run_more_steps(decode_next: Callable[[list[ScheduledChunk], int, list[int]],
             if live[row] and check_stop(request, token, eos_token_ids, max_model_len) is not None:
                 live[row] = False
     return num_steps
+
+
+def _plain_greedy(request: Request) -> bool:
+    """Chosen by the argmax of the raw logits alone: greedy, no logprobs, no logit bias (the other
+    logit processors do not run under multi-step decoding: Request.multi_step_ok)."""
+    params = request.params
+    return params.greedy and params.logprobs is None and not params.logit_bias

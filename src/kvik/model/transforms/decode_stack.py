@@ -57,6 +57,30 @@ class DecodeStackModel(nn.Module):
                                                 meta.decode_block_tables, meta.decode_seq_lens)
 
 
+    def greedy_steps(self, head: Any, token_ids: torch.Tensor, start_positions: torch.Tensor,
+                     block_tables: torch.Tensor, block_size: int, steps: int, stop_ids: torch.Tensor,
+                     live: torch.Tensor) -> torch.Tensor:
+        """`steps` greedy forwards in one call, each feeding the next the tokens it chose (the
+        stack's greedy_steps: the body, `head` - the LM head's compiled weight, greedy_head - and
+        the argmax); (forwards run, T) token ids."""
+        inner = self.inner
+        rotary, norm = inner.rotary[0], inner.norm
+        return self.decode_stack.greedy_steps(token_ids, start_positions, block_tables, block_size, steps, stop_ids,
+                                              live, inner.embed_tokens.weight, rotary.cos, rotary.sin, norm.weight,
+                                              norm.eps, head)
+
+
+def greedy_head(model: nn.Module) -> Any:
+    """The LM head's compiled weight, for DecodeStackModel.greedy_steps, where a model's logits are
+    that head's output (a Llama-family model wrapped in the decode stack, compute_logits not
+    overridden); else None."""
+    if not (isinstance(model, LlamaForCausalLM) and isinstance(model.model, DecodeStackModel)
+            and type(model).compute_logits is LlamaForCausalLM.compute_logits):
+        return None
+    kernel_weight = getattr(model.lm_head, "kernel_weight", None)
+    return kernel_weight() if kernel_weight is not None else None
+
+
 def unwrap_decode_stack(model: nn.Module) -> None:
     """Put the plain LlamaModel back (before binding a new cache)."""
     if isinstance(model, LlamaForCausalLM) and isinstance(model.model, DecodeStackModel):

@@ -21,6 +21,7 @@
 
 #include <omp.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <exception>
@@ -91,34 +92,7 @@ class DecodeStack {
                                                    const torch::Tensor& sin, const torch::Tensor& slots,
                                                    const torch::Tensor& block_tables,
                                                    const torch::Tensor& seq_lens) const {
-    const int threads = at::get_num_threads();
-    if (!use_team.load(std::memory_order_relaxed) || threads <= 1 || kvik::current_team != nullptr ||
-        at::in_parallel_region() || threads > static_cast<int>(std::thread::hardware_concurrency()))
-      return run_layers(embeddings, cos, sin, slots, block_tables, seq_lens);
-    // One OpenMP region for the whole step (decode_team.h): this thread runs the layers, the
-    // others serve the kernels' chunks until it is done, whether it returns or throws.
-    std::tuple<torch::Tensor, torch::Tensor> result;
-    std::exception_ptr error;
-    kvik::DecodeTeam team(threads);
-#pragma omp parallel num_threads(threads)
-    {
-      if (omp_get_thread_num() == 0) {
-        // Given fewer threads than asked, no team (a job would wait for a thread that is not
-        // there): the kernels run on this thread alone.
-        if (omp_get_num_threads() == threads) kvik::current_team = &team;
-        try {
-          result = run_layers(embeddings, cos, sin, slots, block_tables, seq_lens);
-        } catch (...) {
-          error = std::current_exception();
-        }
-        kvik::current_team = nullptr;
-        team.stop();
-      } else {
-        team.serve(omp_get_thread_num());
-      }
-    }
-    if (error) std::rethrow_exception(error);
-    return result;
+    return on_team([&] { return run_layers(embeddings, cos, sin, slots, block_tables, seq_lens); });
   }
 
   // The whole decode body from token ids: the embedding rows and the rotary tables' rows looked up
@@ -139,9 +113,124 @@ class DecodeStack {
     return hidden;
   }
 
+  // Forwards 2..n of a multi-step run (kvik.engine.multi_step) whose rows all decode greedily
+  // (no logprobs, no logit processors), in one call: each forward is forward_tokens', then the LM
+  // head and the argmax as LlamaForCausalLM.compute_logits and the sampler run them (the same
+  // kernels, so the same tokens), and feeds its tokens to the next. In Python each of these
+  // forwards paid ~0.1 ms between its kernels (metadata tensors, module calls, the sampler), 7 %
+  // of an int4 step of the 125M reference model; here one team of threads also serves them all.
+  //
+  // token_ids (T,): the tokens the forward before chose, at start_positions (T,); block_tables
+  // (T, width) every block of each row's run (allocated up front); stop_ids (T, S) each row's stop
+  // tokens, -1 padding; live (T,) bool: false for a row that has stopped already. Runs `steps`
+  // forwards, or fewer once every row has chosen one of its stop tokens (or was not live); returns
+  // the tokens, (forwards run, T).
+  torch::Tensor greedy_steps(const torch::Tensor& token_ids, const torch::Tensor& start_positions,
+                             const torch::Tensor& block_tables, int64_t block_size, int64_t steps,
+                             const torch::Tensor& stop_ids, const torch::Tensor& live, const torch::Tensor& embedding,
+                             const torch::Tensor& cos_table, const torch::Tensor& sin_table,
+                             const torch::Tensor& final_norm, double final_eps, const WeightPtr& head) const {
+    const int64_t rows = token_ids.numel();
+    TORCH_CHECK(token_ids.scalar_type() == torch::kInt64 && start_positions.scalar_type() == torch::kInt64 &&
+                    start_positions.numel() == rows && token_ids.dim() == 1 && start_positions.dim() == 1 &&
+                    start_positions.is_contiguous(),
+                "token_ids and start_positions must be int64 (T,)");
+    TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == rows && block_tables.is_contiguous() &&
+                    block_tables.scalar_type() == torch::kInt64,
+                "block_tables must be a contiguous int64 (T, width) tensor");
+    TORCH_CHECK(stop_ids.dim() == 2 && stop_ids.size(0) == rows && stop_ids.is_contiguous() &&
+                    stop_ids.scalar_type() == torch::kInt64,
+                "stop_ids must be a contiguous int64 (T, S) tensor");
+    TORCH_CHECK(live.scalar_type() == torch::kBool && live.numel() == rows && live.is_contiguous(),
+                "live must be a contiguous bool (T,) tensor");
+    TORCH_CHECK(block_size > 0 && steps >= 0 && head && head->in_features == final_norm.numel(),
+                "a positive block size, steps >= 0 and an LM head over the hidden size");
+    const int64_t width = block_tables.size(1), stops = stop_ids.size(1);
+    const int64_t* tables = block_tables.data_ptr<int64_t>();
+    const int64_t* stop = stop_ids.data_ptr<int64_t>();
+    const int64_t* start = start_positions.data_ptr<int64_t>();
+    for (int64_t r = 0; r < rows; ++r)
+      TORCH_CHECK(start[r] >= 0 && (steps == 0 || (start[r] + steps - 1) / block_size < width),
+                  "the block table does not cover the run");
+    torch::Tensor out = torch::empty({steps, rows}, token_ids.options());
+    if (steps == 0 || rows == 0) return out;
+    int64_t ran = 0;
+    on_team([&] {
+      torch::Tensor ids = token_ids.contiguous().clone();
+      // positions, slots, seq_lens of the forward at hand, in one buffer as the runner makes them
+      torch::Tensor meta = torch::empty({3, rows}, token_ids.options());
+      int64_t* values = meta.data_ptr<int64_t>();
+      std::vector<char> stopped(rows, 0);
+      const bool* alive = live.data_ptr<bool>();
+      for (int64_t r = 0; r < rows; ++r) stopped[r] = !alive[r];
+      for (int64_t s = 0; s < steps; ++s) {
+        int64_t longest = 0;
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t position = start[r] + s;
+          values[r] = position;
+          values[rows + r] = tables[r * width + position / block_size] * block_size + position % block_size;
+          values[2 * rows + r] = position + 1;
+          longest = std::max(longest, position + 1);
+        }
+        // Only the blocks that hold tokens so far, as the runner passes them.
+        const int64_t used = (longest + block_size - 1) / block_size;
+        torch::Tensor table = used == width ? block_tables : block_tables.narrow(1, 0, used).contiguous();
+        torch::Tensor hidden = forward_tokens(ids, meta[0], embedding, cos_table, sin_table, final_norm, final_eps,
+                                              meta[1], table, meta[2]);
+        torch::Tensor chosen = kvik::argmax_rows((*head)(hidden));
+        const int64_t* tokens = chosen.data_ptr<int64_t>();
+        int64_t* next = ids.data_ptr<int64_t>();
+        int64_t* row_out = out.data_ptr<int64_t>() + s * rows;
+        bool all_stopped = true;
+        for (int64_t r = 0; r < rows; ++r) {
+          next[r] = row_out[r] = tokens[r];
+          for (int64_t j = 0; j < stops && !stopped[r]; ++j) stopped[r] = stop[r * stops + j] == tokens[r];
+          all_stopped = all_stopped && stopped[r];
+        }
+        ran = s + 1;
+        if (all_stopped) break;
+      }
+      return 0;
+    });
+    return out.narrow(0, 0, ran);
+  }
+
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
  private:
+  // body() with the step's parallel kernels on one team of threads (decode_team.h): this thread
+  // runs body, the others serve the kernels' chunks until it is done, whether it returns or throws.
+  // Inside a team already (greedy_steps' forwards), or where a team cannot be had, body() as is.
+  template <typename Body>
+  auto on_team(const Body& body) const -> decltype(body()) {
+    const int threads = at::get_num_threads();
+    if (!use_team.load(std::memory_order_relaxed) || threads <= 1 || kvik::current_team != nullptr ||
+        at::in_parallel_region() || threads > static_cast<int>(std::thread::hardware_concurrency()))
+      return body();
+    decltype(body()) result;
+    std::exception_ptr error;
+    kvik::DecodeTeam team(threads);
+#pragma omp parallel num_threads(threads)
+    {
+      if (omp_get_thread_num() == 0) {
+        // Given fewer threads than asked, no team (a job would wait for a thread that is not
+        // there): the kernels run on this thread alone.
+        if (omp_get_num_threads() == threads) kvik::current_team = &team;
+        try {
+          result = body();
+        } catch (...) {
+          error = std::current_exception();
+        }
+        kvik::current_team = nullptr;
+        team.stop();
+      } else {
+        team.serve(omp_get_thread_num());
+      }
+    }
+    if (error) std::rethrow_exception(error);
+    return result;
+  }
+
   std::tuple<torch::Tensor, torch::Tensor> run_layers(const torch::Tensor& embeddings, const torch::Tensor& cos,
                                                       const torch::Tensor& sin, const torch::Tensor& slots,
                                                       const torch::Tensor& block_tables,
@@ -320,5 +409,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward_tokens", &DecodeStack::forward_tokens, py::arg("input_ids"), py::arg("positions"),
            py::arg("embedding"), py::arg("cos"), py::arg("sin"), py::arg("final_norm"), py::arg("final_eps"),
            py::arg("slots"), py::arg("block_tables"), py::arg("seq_lens"))
+      .def("greedy_steps", &DecodeStack::greedy_steps, py::arg("token_ids"), py::arg("start_positions"),
+           py::arg("block_tables"), py::arg("block_size"), py::arg("steps"), py::arg("stop_ids"), py::arg("live"),
+           py::arg("embedding"), py::arg("cos"), py::arg("sin"), py::arg("final_norm"), py::arg("final_eps"),
+           py::arg("head"))
       .def_property_readonly("num_layers", &DecodeStack::num_layers);
 }
