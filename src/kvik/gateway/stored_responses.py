@@ -107,8 +107,9 @@ class StoredResponses:
             return None
         row = await asyncio.to_thread(
             self.state.db.fetchone,
-            "SELECT response_id, tenant, model, replica, context_tokens FROM response_routes WHERE response_id = ? AND tenant = ? "
-            "AND created_at >= ?", (response_id, tenant_of(principal), self._cutoff()))
+            "SELECT response_id, tenant, model, replica, context_tokens FROM response_routes "
+            "WHERE response_id = ? AND tenant = ? AND created_at >= ?",
+            (response_id, tenant_of(principal), self._cutoff()))
         return None if row is None else ResponseRoute(**row)
 
     async def pin(self, body: dict[str, Any], principal: Principal | None, pool: ModelPool) -> Continuation | None:

@@ -56,7 +56,6 @@ class DecodeStackModel(nn.Module):
                                                 rotary.sin, norm.weight, norm.eps, meta.slot_mapping,
                                                 meta.decode_block_tables, meta.decode_seq_lens)
 
-
     def greedy_steps(self, head: Any, token_ids: torch.Tensor, start_positions: torch.Tensor,
                      block_tables: torch.Tensor, block_size: int, steps: int, stop_ids: torch.Tensor,
                      live: torch.Tensor) -> torch.Tensor:
