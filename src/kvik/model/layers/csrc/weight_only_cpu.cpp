@@ -575,18 +575,23 @@ inline void unpack_int4_8(const uint8_t* wk, __m512i& wa, __m512i& wb) {
   wb = _mm512_and_si512(raw, _mm512_set1_epi8(static_cast<char>(0xf0)));
 }
 
-// A prompt's rows pass over each block of weights many times (four rows a pass): the nibbles are
-// split once per call into this buffer (128 bytes per 8 inputs, a block of 2048 inputs is 32 KiB,
-// so it stays in L1/L2) and every pass reads the operands as they are, which leaves the inner loop
-// two vpdpbusd per row and 8 inputs, as int8's has.
+// A prompt's rows pass over each block of weights many times: the nibbles are split once per call
+// into this buffer, one vector per 4 inputs as int8's (128 bytes per 8 inputs, a block of 2048
+// inputs is 32 KiB, so it stays in L1/L2), the high nibbles shifted down, so every pass reads the
+// operands as they are and sums both halves in one accumulator (tile_vnni). The integer sum is the
+// one block_int4_vnni makes from its two (high nibbles in place, then divided by 16), so a row's
+// result does not depend on which kernel ran it.
 void unpack_int4_block(const uint8_t* w, int64_t in_features, __m512i* out) {
-  for (int64_t k = 0; k < in_features; k += 8) unpack_int4_8(w + int4_chunk_offset(k), out[k / 4], out[k / 4 + 1]);
+  for (int64_t k = 0; k < in_features; k += 8) {
+    unpack_int4_8(w + int4_chunk_offset(k), out[k / 4], out[k / 4 + 1]);
+    out[k / 4 + 1] = _mm512_srli_epi16(out[k / 4 + 1], 4);  // bytes 0xf0-masked: no bits cross
+  }
 }
 
 // out[m][j] = sum_k W[j][k] x'[m][k] for one block of 16 rows, int4 weights: per group,
-// s_j sum_b d_b (sum_{k in b} v_jk q_k) + o_j sum_{k in group} x'_k. kUnpacked: w is
-// unpack_int4_block's buffer, else the stored nibbles.
-template <int M, bool kOffsets, bool kUnpacked = false>
+// s_j sum_b d_b (sum_{k in b} v_jk q_k) + o_j sum_{k in group} x'_k (decode steps; prompts run
+// tile_vnni, which sums in the same order).
+template <int M, bool kOffsets>
 void block_int4_vnni(const uint8_t* w, const c10::Half* scales, const c10::Half* offsets, const uint8_t* codes,
                      int64_t in_features, const float* act_scales, const float* group_sums, int64_t groups,
                      int64_t group, float (*out)[kBlock]) {
@@ -594,8 +599,7 @@ void block_int4_vnni(const uint8_t* w, const c10::Half* scales, const c10::Half*
   __m512 total[M];
   for (int m = 0; m < M; ++m) total[m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    __m512 partial[M];
-    for (int m = 0; m < M; ++m) partial[m] = _mm512_setzero_ps();
+    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + g * kBlock)));
     for (int64_t b = g * per_group; b < std::min(blocks, (g + 1) * per_group); ++b) {
       // One row: two chains per operand (even and odd steps), so a vpdpbusd does not wait on
       // the one before it (latency 5) in the short 4-step block.
@@ -606,15 +610,9 @@ void block_int4_vnni(const uint8_t* w, const c10::Half* scales, const c10::Half*
       for (int step = 0; step < 4; ++step) {
         const int64_t k = b * kActBlock + step * 8;
         __m512i wa, wb;
-        if (kUnpacked) {
-          const auto* operands = reinterpret_cast<const __m512i*>(w) + k / 4;
-          wa = _mm512_load_si512(operands);
-          wb = _mm512_load_si512(operands + 1);
-        } else {
-          const uint8_t* wk = w + int4_chunk_offset(k);
-          __builtin_prefetch(wk + ahead, 0, 1);
-          unpack_int4_8(wk, wa, wb);
-        }
+        const uint8_t* wk = w + int4_chunk_offset(k);
+        __builtin_prefetch(wk + ahead, 0, 1);
+        unpack_int4_8(wk, wa, wb);
         const int c = (step % C) * M;
 #pragma GCC unroll 4
         for (int m = 0; m < M; ++m) {
@@ -628,17 +626,18 @@ void block_int4_vnni(const uint8_t* w, const c10::Half* scales, const c10::Half*
           acc_b[m] = _mm512_add_epi32(acc_b[m], acc_b[M + m]);
         }
       for (int m = 0; m < M; ++m) acc_b[m] = _mm512_srai_epi32(acc_b[m], 4);  // the high nibbles' 16x
+      // The group's scale times the block's: one product per block and row. A separate sum per
+      // group, scaled once at its end, took 8 more registers in tile_vnni, whose passes then ran at
+      // 0.85x (the two kernels must sum in one order, see there).
       for (int m = 0; m < M; ++m)
-        partial[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(acc_a[m], acc_b[m])),
-                                     _mm512_set1_ps(act_scales[m * blocks + b]), partial[m]);
+        total[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(acc_a[m], acc_b[m])),
+                                   _mm512_mul_ps(scale, _mm512_set1_ps(act_scales[m * blocks + b])), total[m]);
     }
-    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + g * kBlock)));
     const __m512 offset = kOffsets
         ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(offsets + g * kBlock)))
         : _mm512_mul_ps(scale, _mm512_set1_ps(-8.f));
     for (int m = 0; m < M; ++m)
-      total[m] = _mm512_fmadd_ps(partial[m], scale,
-                                 _mm512_fmadd_ps(offset, _mm512_set1_ps(group_sums[m * groups + g]), total[m]));
+      total[m] = _mm512_fmadd_ps(offset, _mm512_set1_ps(group_sums[m * groups + g]), total[m]);
   }
   for (int m = 0; m < M; ++m) _mm512_storeu_ps(out[m], total[m]);
 }
@@ -648,9 +647,8 @@ void block_int4_vnni(const uint8_t* w, const c10::Half* scales, const c10::Half*
 // (QuantizedRows::correction). Scales per row (kGrouped false: `row_scales`, applied once at the
 // end) or per group of `group` inputs (float16 `group_scales`, folded into each block's activation
 // scale: one multiply per block and row, where a separate sum per group cost a prompt 10-20 %).
-// A prompt's passes read an int8 block from unpack_int8_block's buffer instead: the permuted,
-// flipped operands, 8 vectors per block of 32 inputs, made once per call, so a pass does only the
-// M vpdpbusd per 4 inputs.
+// A prompt's tiles (tile_vnni) read an int8 block from unpack_int8_block's buffer instead: the
+// permuted, flipped operands, 8 vectors per block of 32 inputs, made once per call.
 inline __m512i int8_operand(const int8_t* wk, __m512i index) {
   return _mm512_xor_si512(_mm512_permutexvar_epi8(index, _mm512_loadu_si512(wk)),
                           _mm512_set1_epi8(static_cast<char>(0x80)));
@@ -661,7 +659,7 @@ void unpack_int8_block(const int8_t* w, int64_t in_features, __m512i* out) {
   for (int64_t k = 0; k < in_features; k += 4) out[k / 4] = int8_operand(w + k * kBlock, index);
 }
 
-template <int M, bool kGrouped, bool kUnpacked = false>
+template <int M, bool kGrouped>
 void block_int8_vnni(const int8_t* w, const float* row_scales, const c10::Half* group_scales, const uint8_t* codes,
                      int64_t in_features, const float* act_scales, const int32_t* correction, int64_t group,
                      float (*out)[kBlock]) {
@@ -680,14 +678,9 @@ void block_int8_vnni(const int8_t* w, const float* row_scales, const c10::Half* 
     for (int step = 0; step < 8; ++step) {
       const int64_t k = b * kActBlock + step * 4;
       const int c = (step % C) * M;
-      __m512i wv;
-      if (kUnpacked) {
-        wv = _mm512_load_si512(reinterpret_cast<const __m512i*>(w) + k / 4);
-      } else {
-        const int8_t* wk = w + k * kBlock;
-        __builtin_prefetch(wk + ahead, 0, 1);
-        wv = int8_operand(wk, index);
-      }
+      const int8_t* wk = w + k * kBlock;
+      __builtin_prefetch(wk + ahead, 0, 1);
+      const __m512i wv = int8_operand(wk, index);
 #pragma GCC unroll 4
       for (int m = 0; m < M; ++m)
         acc[c + m] = _mm512_dpbusd_epi32(acc[c + m], wv, broadcast4(codes + m * in_features + k));
@@ -707,6 +700,88 @@ void block_int8_vnni(const int8_t* w, const float* row_scales, const c10::Half* 
   }
   const __m512 scale = kGrouped ? _mm512_set1_ps(1.f) : _mm512_loadu_ps(row_scales);
   for (int m = 0; m < M; ++m) _mm512_storeu_ps(out[m], _mm512_mul_ps(total[m], scale));
+}
+
+// Prompts: M rows (1..4) by NB blocks (1..2, 16 outputs each) from unpacked operands, one unsigned
+// vector per 4 inputs of a block (unpack_int4_block, unpack_int8_block). Until 2026-12-07 prompts
+// ran the four-row passes over one block (block_int*_vnni on the unpacked operands): int8's four
+// accumulators were four dependent vpdpbusd chains (latency 4-5, two issued per cycle), half the
+// instruction's rate on this Zen 5. Two blocks make eight chains, and each broadcast input feeds
+// two products; 24 layers of the reference model's shapes at 512 rows ran 1.17x faster in int8
+// and 1.18x in int4 (alternating processes). The sums and their scaling run in block_int4_vnni's
+// and block_int8_vnni's order (int8's correction is the accumulator's start instead of a
+// subtraction, the same int32), so a row's result has the same bits whichever kernel ran it.
+constexpr int kTileBlocks = 2;
+
+struct TileBlock {
+  const __m512i* operands;
+  const c10::Half* scales;   // per group (int4, grouped int8), this block's
+  const c10::Half* offsets;  // int4 with zero points
+  const float* row_scales;   // int8 with a scale per row
+};
+
+struct TileRows {
+  const uint8_t* codes;
+  const float* act_scales;
+  const int32_t* correction;
+  const float* group_sums;
+  int64_t in_features, groups, group;
+};
+
+template <int M, int NB, bool kInt4, bool kGrouped, bool kOffsets>
+void tile_vnni(const TileBlock (&blk)[NB], const TileRows& x, float (*out)[kTileBlocks * kBlock]) {
+  const int64_t in_features = x.in_features, blocks = in_features / kActBlock;
+  const int64_t per_group = kGrouped ? x.group / kActBlock : blocks;
+  __m512 total[M][NB], weight_scale[NB];
+  for (int nb = 0; nb < NB; ++nb) weight_scale[nb] = _mm512_set1_ps(1.f);
+  for (int m = 0; m < M; ++m)
+    for (int nb = 0; nb < NB; ++nb) total[m][nb] = _mm512_setzero_ps();
+  const __m512i* operands[NB];
+  for (int nb = 0; nb < NB; ++nb) operands[nb] = blk[nb].operands;
+  const uint8_t* codes = x.codes;
+  // Groups, then their blocks of 32 inputs: no division in the loop (per_group is a run-time value).
+  for (int64_t g = 0, b = 0; b < blocks; ++g) {
+    if (kGrouped)
+      for (int nb = 0; nb < NB; ++nb)
+        weight_scale[nb] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[nb].scales + g * kBlock)));
+    for (const int64_t group_end = std::min(blocks, b + per_group); b < group_end; ++b) {
+      __m512i acc[M][NB];
+      for (int m = 0; m < M; ++m) {
+        const __m512i start = kInt4 ? _mm512_setzero_si512() : _mm512_set1_epi32(-x.correction[m * blocks + b]);
+        for (int nb = 0; nb < NB; ++nb) acc[m][nb] = start;
+      }
+#pragma GCC unroll 8
+      for (int step = 0; step < 8; ++step) {
+        __m512i w[NB];
+        for (int nb = 0; nb < NB; ++nb) w[nb] = _mm512_load_si512(operands[nb] + step);
+#pragma GCC unroll 4
+        for (int m = 0; m < M; ++m) {
+          const __m512i a = broadcast4(codes + m * in_features + step * 4);
+          for (int nb = 0; nb < NB; ++nb) acc[m][nb] = _mm512_dpbusd_epi32(acc[m][nb], w[nb], a);
+        }
+      }
+      for (int nb = 0; nb < NB; ++nb) operands[nb] += kActBlock / 4;
+      codes += kActBlock;
+      for (int m = 0; m < M; ++m) {
+        const __m512 act = _mm512_set1_ps(x.act_scales[m * blocks + b]);
+        for (int nb = 0; nb < NB; ++nb)
+          total[m][nb] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m][nb]),
+                                         kGrouped ? _mm512_mul_ps(weight_scale[nb], act) : act, total[m][nb]);
+      }
+    }
+    if (kInt4)  // the group's offsets times the sum of its inputs
+      for (int nb = 0; nb < NB; ++nb) {
+        const __m512 offset = kOffsets
+            ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[nb].offsets + g * kBlock)))
+            : _mm512_mul_ps(weight_scale[nb], _mm512_set1_ps(-8.f));
+        for (int m = 0; m < M; ++m)
+          total[m][nb] = _mm512_fmadd_ps(offset, _mm512_set1_ps(x.group_sums[m * x.groups + g]), total[m][nb]);
+      }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int nb = 0; nb < NB; ++nb)
+      _mm512_storeu_ps(out[m] + nb * kBlock,
+                       kGrouped ? total[m][nb] : _mm512_mul_ps(total[m][nb], _mm512_loadu_ps(blk[nb].row_scales)));
 }
 
 #endif  // KVIK_INT8_DOT
@@ -1030,27 +1105,20 @@ bool int8_dot(const WeightView& v) {
 }
 
 #if KVIK_INT8_DOT
-// One block for `rows` (1..kRows) quantized rows starting at row `r`. `unpacked`: an int4 block's
-// operands from unpack_int4_block, or null to unpack the stored nibbles in the pass.
+// One block for `rows` (1..kRows) quantized rows starting at row `r` (decode steps: the weights
+// streamed once, unpacked in registers).
 void run_block_int8_dot(const WeightView& v, int64_t block, const QuantizedRows& x, int64_t r, int64_t rows,
-                        const __m512i* unpacked, float (*out)[kBlock]) {
+                        float (*out)[kBlock]) {
   const int64_t in_features = v.in_features, blocks = in_features / kActBlock;
   const uint8_t* codes = x.codes.data() + r * in_features;
   const float* act_scales = x.scales.data() + r * blocks;
   const int32_t* correction = x.correction.data() + r * blocks;
   if (v.format == kvik::kInt8) {
     const auto* w = static_cast<const int8_t*>(v.data) + block * in_features * kBlock;
-    const auto* u = reinterpret_cast<const int8_t*>(unpacked);
     const c10::Half* group_scales = v.scales_f16 ? v.scales_f16 + block * v.groups * kBlock : nullptr;
     const float* row_scales = v.scales_f16 ? nullptr : v.scales_f32 + block * kBlock;
     with_rows(rows, [&](auto m) {
       constexpr int M = decltype(m)::value;
-      if (u && group_scales)
-        return block_int8_vnni<M, true, true>(u, nullptr, group_scales, codes, in_features, act_scales, correction,
-                                              v.group, out);
-      if (u)
-        return block_int8_vnni<M, false, true>(u, row_scales, nullptr, codes, in_features, act_scales, correction, 0,
-                                               out);
       if (group_scales)
         return block_int8_vnni<M, true>(w, nullptr, group_scales, codes, in_features, act_scales, correction,
                                         v.group, out);
@@ -1062,13 +1130,37 @@ void run_block_int8_dot(const WeightView& v, int64_t block, const QuantizedRows&
   const c10::Half* s = v.scales_f16 + block * v.groups * kBlock;
   const c10::Half* o = v.offsets ? v.offsets + block * v.groups * kBlock : nullptr;
   const float* sums = x.group_sums.data() + r * v.groups;
-  const auto* u = reinterpret_cast<const uint8_t*>(unpacked);
   with_rows(rows, [&](auto m) {
     constexpr int M = decltype(m)::value;
-    if (u && o) return block_int4_vnni<M, true, true>(u, s, o, codes, in_features, act_scales, sums, v.groups, v.group, out);
-    if (u) return block_int4_vnni<M, false, true>(u, s, o, codes, in_features, act_scales, sums, v.groups, v.group, out);
     if (o) return block_int4_vnni<M, true>(w, s, o, codes, in_features, act_scales, sums, v.groups, v.group, out);
     block_int4_vnni<M, false>(w, s, o, codes, in_features, act_scales, sums, v.groups, v.group, out);
+  });
+}
+
+// Rows r..r+rows-1 (1..kRows) of a prompt on NB (1 or 2) unpacked blocks, starting at `block`:
+// tile_vnni for the weight's format.
+template <int NB>
+void run_tile_int8_dot(const WeightView& v, int64_t block, const __m512i* operands, int64_t operand_vectors,
+                       const QuantizedRows& x, int64_t r, int64_t rows, float (*out)[kTileBlocks * kBlock]) {
+  const int64_t in_features = v.in_features, blocks = in_features / kActBlock;
+  const int64_t groups = v.format == kvik::kInt4 ? v.groups : 0;
+  const TileRows tr{x.codes.data() + r * in_features, x.scales.data() + r * blocks, x.correction.data() + r * blocks,
+                    groups ? x.group_sums.data() + r * groups : nullptr, in_features, v.groups, v.group};
+  TileBlock tb[NB];
+  for (int nb = 0; nb < NB; ++nb) {
+    const int64_t at = (block + nb) * v.groups * kBlock;
+    tb[nb] = TileBlock{operands + nb * operand_vectors, v.scales_f16 ? v.scales_f16 + at : nullptr,
+                       v.offsets ? v.offsets + at : nullptr,
+                       v.scales_f32 ? v.scales_f32 + (block + nb) * kBlock : nullptr};
+  }
+  with_rows(rows, [&](auto m) {
+    constexpr int M = decltype(m)::value;
+    if (v.format == kvik::kInt8) {
+      if (v.scales_f16) return tile_vnni<M, NB, false, true, false>(tb, tr, out);
+      return tile_vnni<M, NB, false, false, false>(tb, tr, out);
+    }
+    if (v.offsets) return tile_vnni<M, NB, true, true, true>(tb, tr, out);
+    tile_vnni<M, NB, true, true, false>(tb, tr, out);
   });
 }
 #endif
@@ -1185,25 +1277,48 @@ void weight_only_linear_into(const float* xp, int64_t rows, const LinearWeight& 
     thread_local QuantizedRows rows_buffer;
     QuantizedRows& quantized = rows_buffer;
     quantize_rows(xp, rows, in_features, weight.format == kInt4 ? weight.group : 0, quantized);
-    // More than one pass of rows: unpack each block once (unpack_int4_block, unpack_int8_block).
-    const bool int4 = weight.format == kInt4, unpack = rows > kRows;
-    const int64_t operand_vectors = in_features / 4;  // int4: two per 8 inputs, int8: one per 4
-    kvik::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-      // Passes of four rows, as below (eight ran a 512-row prompt at 0.7x the speed: the
-      // accumulators no longer fit in the 32 vector registers).
-      float acc[kRows][kBlock];
-      std::unique_ptr<__m512i[]> operands(unpack ? new __m512i[operand_vectors] : nullptr);
-      for (int64_t block = begin; block < end; ++block) {
-        if (unpack && int4)
-          unpack_int4_block(static_cast<const uint8_t*>(view.data) + block * int4_block_bytes(in_features),
-                            in_features, operands.get());
-        else if (unpack)
-          unpack_int8_block(static_cast<const int8_t*>(view.data) + block * in_features * kBlock, in_features,
-                            operands.get());
+    // Decode steps (up to four rows) stream each block once, unpacked in registers; a prompt's
+    // passes unpack each pair of blocks once (unpack_int4_block, unpack_int8_block) and run the
+    // two-block tiles over it.
+    const bool int4 = weight.format == kInt4;
+    if (rows <= kRows) {
+      kvik::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+        float acc[kRows][kBlock];
+        for (int64_t block = begin; block < end; ++block) {
+          run_block_int8_dot(view, block, quantized, 0, rows, acc);
+          finish(block, 0, rows, acc);
+        }
+      });
+      return;
+    }
+    const int64_t operand_vectors = in_features / 4;  // one per 4 inputs
+    const int64_t tiles = (blocks + kTileBlocks - 1) / kTileBlocks;
+    kvik::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+      float acc[kRows][kTileBlocks * kBlock];
+      std::unique_ptr<__m512i[]> operands(new __m512i[kTileBlocks * operand_vectors]);
+      for (int64_t tile = begin; tile < end; ++tile) {
+        const int64_t block = kTileBlocks * tile, count = std::min<int64_t>(kTileBlocks, blocks - block);
+        for (int64_t nb = 0; nb < count; ++nb) {
+          if (int4)
+            unpack_int4_block(static_cast<const uint8_t*>(view.data) + (block + nb) * int4_block_bytes(in_features),
+                              in_features, operands.get() + nb * operand_vectors);
+          else
+            unpack_int8_block(static_cast<const int8_t*>(view.data) + (block + nb) * in_features * kBlock,
+                              in_features, operands.get() + nb * operand_vectors);
+        }
         for (int64_t r = 0; r < rows; r += kRows) {
           const int64_t chunk = std::min<int64_t>(kRows, rows - r);
-          run_block_int8_dot(view, block, quantized, r, chunk, operands.get(), acc);
-          finish(block, r, chunk, acc);
+          const auto run = [&](auto nb) {
+            run_tile_int8_dot<decltype(nb)::value>(view, block, operands.get(), operand_vectors, quantized, r, chunk,
+                                                   acc);
+          };
+          if (count == 2) run(std::integral_constant<int, 2>{});
+          else run(std::integral_constant<int, 1>{});
+          for (int64_t nb = 0; nb < count; ++nb) {
+            float part[kRows][kBlock];
+            for (int64_t m = 0; m < chunk; ++m) std::memcpy(part[m], acc[m] + nb * kBlock, sizeof(part[m]));
+            finish(block + nb, r, chunk, part);
+          }
         }
       }
     });
