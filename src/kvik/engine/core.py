@@ -30,6 +30,7 @@ from kvik.core.sampling_params import SamplingParams
 from kvik.core.tokenizer import TokenizerSpec
 from kvik.engine import cuda_graphs
 from kvik.engine.device import select_device
+from kvik.engine.host_memory import keep_step_memory
 from kvik.engine.kv_manager import KVCacheManager
 from kvik.engine.lora_manager import AdapterManager
 from kvik.engine.messages import (EngineCoreOutput, EngineCoreRequest, EngineInfo, EngineStats, LoRAAdapterInfo,
@@ -123,6 +124,8 @@ class EngineCore:
                                grammars=self.grammars)
         if self.spec is not None:
             self.spec.start(num_blocks, self.sampler, graphs)
+        if self.device.type == "cpu":
+            keep_step_memory()  # after the weights and the KV pool have their memory
         self.groups: dict[str, RequestGroup] = {}
         self._arrival_counter = itertools.count()
         self.prompt_tokens_total = 0

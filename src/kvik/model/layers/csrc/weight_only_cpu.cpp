@@ -712,6 +712,7 @@ void block_int8_vnni(const int8_t* w, const float* row_scales, const c10::Half* 
 // and block_int8_vnni's order (int8's correction is the accumulator's start instead of a
 // subtraction, the same int32), so a row's result has the same bits whichever kernel ran it.
 constexpr int kTileBlocks = 2;
+constexpr int64_t kTileCodeBytes = 384 << 10;  // a prompt's rows per chunk: their codes, within L2
 
 struct TileBlock {
   const __m512i* operands;
@@ -1293,10 +1294,19 @@ void weight_only_linear_into(const float* xp, int64_t rows, const LinearWeight& 
     }
     const int64_t operand_vectors = in_features / 4;  // one per 4 inputs
     const int64_t tiles = (blocks + kTileBlocks - 1) / kTileBlocks;
-    kvik::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    // Rows in chunks whose activation codes stay in L2 while every tile passes over them: over all
+    // rows of a 2048-token step (4 MiB of codes at 2048 inputs) each tile re-read them from L3,
+    // and the reference model's linears ran at 0.73x their speed on 512-row prompts. The range is
+    // chunk-major, so each thread takes whole chunks where it can (the weights are then re-read
+    // and re-unpacked once per chunk: 1-2 % of a chunk's products).
+    const int64_t chunk_rows = std::max<int64_t>(kRows, kTileCodeBytes / in_features / kRows * kRows);
+    const int64_t row_chunks = (rows + chunk_rows - 1) / chunk_rows;
+    kvik::parallel_for(0, row_chunks * tiles, 1, [&](int64_t begin, int64_t end) {
       float acc[kRows][kTileBlocks * kBlock];
       std::unique_ptr<__m512i[]> operands(new __m512i[kTileBlocks * operand_vectors]);
-      for (int64_t tile = begin; tile < end; ++tile) {
+      for (int64_t index = begin; index < end; ++index) {
+        const int64_t tile = index % tiles, first_row = index / tiles * chunk_rows;
+        const int64_t last_row = std::min(rows, first_row + chunk_rows);
         const int64_t block = kTileBlocks * tile, count = std::min<int64_t>(kTileBlocks, blocks - block);
         for (int64_t nb = 0; nb < count; ++nb) {
           if (int4)
@@ -1306,8 +1316,8 @@ void weight_only_linear_into(const float* xp, int64_t rows, const LinearWeight& 
             unpack_int8_block(static_cast<const int8_t*>(view.data) + (block + nb) * in_features * kBlock,
                               in_features, operands.get() + nb * operand_vectors);
         }
-        for (int64_t r = 0; r < rows; r += kRows) {
-          const int64_t chunk = std::min<int64_t>(kRows, rows - r);
+        for (int64_t r = first_row; r < last_row; r += kRows) {
+          const int64_t chunk = std::min<int64_t>(kRows, last_row - r);
           const auto run = [&](auto nb) {
             run_tile_int8_dot<decltype(nb)::value>(view, block, operands.get(), operand_vectors, quantized, r, chunk,
                                                    acc);
