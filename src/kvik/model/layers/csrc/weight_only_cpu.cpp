@@ -707,12 +707,11 @@ void block_int8_vnni(const int8_t* w, const float* row_scales, const c10::Half* 
 // ran the four-row passes over one block (block_int*_vnni on the unpacked operands): int8's four
 // accumulators were four dependent vpdpbusd chains (latency 4-5, two issued per cycle), half the
 // instruction's rate on this Zen 5. Two blocks make eight chains, and each broadcast input feeds
-// two products; 24 layers of the reference model's shapes at 512 rows ran 1.17x faster in int8
-// and 1.18x in int4 (alternating processes). The sums and their scaling run in block_int4_vnni's
+// two products; 16 linears of the reference model's four shapes at 512 rows ran 1.1-1.2x faster
+// in int8 and 1.18-1.2x in int4 (alternating processes). The sums and their scaling run in block_int4_vnni's
 // and block_int8_vnni's order (int8's correction is the accumulator's start instead of a
 // subtraction, the same int32), so a row's result has the same bits whichever kernel ran it.
 constexpr int kTileBlocks = 2;
-constexpr int64_t kTileCodeBytes = 384 << 10;  // a prompt's rows per chunk: their codes, within L2
 
 struct TileBlock {
   const __m512i* operands;
@@ -1294,19 +1293,12 @@ void weight_only_linear_into(const float* xp, int64_t rows, const LinearWeight& 
     }
     const int64_t operand_vectors = in_features / 4;  // one per 4 inputs
     const int64_t tiles = (blocks + kTileBlocks - 1) / kTileBlocks;
-    // Rows in chunks whose activation codes stay in L2 while every tile passes over them: over all
-    // rows of a 2048-token step (4 MiB of codes at 2048 inputs) each tile re-read them from L3,
-    // and the reference model's linears ran at 0.73x their speed on 512-row prompts. The range is
-    // chunk-major, so each thread takes whole chunks where it can (the weights are then re-read
-    // and re-unpacked once per chunk: 1-2 % of a chunk's products).
-    const int64_t chunk_rows = std::max<int64_t>(kRows, kTileCodeBytes / in_features / kRows * kRows);
-    const int64_t row_chunks = (rows + chunk_rows - 1) / chunk_rows;
-    kvik::parallel_for(0, row_chunks * tiles, 1, [&](int64_t begin, int64_t end) {
+    // Every tile over all rows: a 2048-token step's codes (4 MiB at 2048 inputs) come from L3, and
+    // rows in chunks that stay in L2 measured no faster (alternating builds, 2048 rows).
+    kvik::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
       float acc[kRows][kTileBlocks * kBlock];
       std::unique_ptr<__m512i[]> operands(new __m512i[kTileBlocks * operand_vectors]);
-      for (int64_t index = begin; index < end; ++index) {
-        const int64_t tile = index % tiles, first_row = index / tiles * chunk_rows;
-        const int64_t last_row = std::min(rows, first_row + chunk_rows);
+      for (int64_t tile = begin; tile < end; ++tile) {
         const int64_t block = kTileBlocks * tile, count = std::min<int64_t>(kTileBlocks, blocks - block);
         for (int64_t nb = 0; nb < count; ++nb) {
           if (int4)
@@ -1316,8 +1308,8 @@ void weight_only_linear_into(const float* xp, int64_t rows, const LinearWeight& 
             unpack_int8_block(static_cast<const int8_t*>(view.data) + (block + nb) * in_features * kBlock,
                               in_features, operands.get() + nb * operand_vectors);
         }
-        for (int64_t r = first_row; r < last_row; r += kRows) {
-          const int64_t chunk = std::min<int64_t>(kRows, last_row - r);
+        for (int64_t r = 0; r < rows; r += kRows) {
+          const int64_t chunk = std::min<int64_t>(kRows, rows - r);
           const auto run = [&](auto nb) {
             run_tile_int8_dot<decltype(nb)::value>(view, block, operands.get(), operand_vectors, quantized, r, chunk,
                                                    acc);
