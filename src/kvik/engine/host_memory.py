@@ -7,7 +7,8 @@ past its trim threshold. So a prompt step faults its large activations in, 4 KiB
 every layer of every step: a 2048-token step's gate/up output on the reference model is 2048 x 4096
 float32, 32 MiB, right at the ceiling. Measured on the 2-core reference machine (Zen 5, 2
 threads): the reference model's int4 linears at 2048 rows ran at 0.69x their speed at 512 rows, and
-at the same speed with the settings below; 16 prompts of 256 tokens prefilled 1.37x faster.
+at the same speed with the settings below; 16 prompts of 256 tokens prefill 1.33x faster
+(`bench/prefill_memory.py`).
 
 `keep_step_memory` raises both thresholds to 1 GiB once the model's weights and the KV pool are in
 place (they keep the mmapped memory they were given, advised for huge pages where that applies), so
