@@ -65,6 +65,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    for name in ("prompts", "prompt_len", "repeats", "pairs"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.child:
         child(args.format, args.prompts, args.prompt_len, args.repeats)
         return 0

@@ -1105,14 +1105,14 @@ bool int8_dot(const WeightView& v) {
 }
 
 #if KVIK_INT8_DOT
-// One block for `rows` (1..kRows) quantized rows starting at row `r` (decode steps: the weights
-// streamed once, unpacked in registers).
-void run_block_int8_dot(const WeightView& v, int64_t block, const QuantizedRows& x, int64_t r, int64_t rows,
+// One block for all `rows` (1..kRows) quantized rows of a decode step (the weights streamed once,
+// unpacked in registers).
+void run_block_int8_dot(const WeightView& v, int64_t block, const QuantizedRows& x, int64_t rows,
                         float (*out)[kBlock]) {
-  const int64_t in_features = v.in_features, blocks = in_features / kActBlock;
-  const uint8_t* codes = x.codes.data() + r * in_features;
-  const float* act_scales = x.scales.data() + r * blocks;
-  const int32_t* correction = x.correction.data() + r * blocks;
+  const int64_t in_features = v.in_features;
+  const uint8_t* codes = x.codes.data();
+  const float* act_scales = x.scales.data();
+  const int32_t* correction = x.correction.data();
   if (v.format == kvik::kInt8) {
     const auto* w = static_cast<const int8_t*>(v.data) + block * in_features * kBlock;
     const c10::Half* group_scales = v.scales_f16 ? v.scales_f16 + block * v.groups * kBlock : nullptr;
@@ -1129,7 +1129,7 @@ void run_block_int8_dot(const WeightView& v, int64_t block, const QuantizedRows&
   const auto* w = static_cast<const uint8_t*>(v.data) + block * int4_block_bytes(in_features);
   const c10::Half* s = v.scales_f16 + block * v.groups * kBlock;
   const c10::Half* o = v.offsets ? v.offsets + block * v.groups * kBlock : nullptr;
-  const float* sums = x.group_sums.data() + r * v.groups;
+  const float* sums = x.group_sums.data();
   with_rows(rows, [&](auto m) {
     constexpr int M = decltype(m)::value;
     if (o) return block_int4_vnni<M, true>(w, s, o, codes, in_features, act_scales, sums, v.groups, v.group, out);
@@ -1261,11 +1261,12 @@ void weight_only_linear_into(const float* xp, int64_t rows, const LinearWeight& 
   const int64_t blocks = (out_features + kBlock - 1) / kBlock;
   const float* bias = weight.bias.has_value() && weight.bias->defined() ? weight.bias->data_ptr<float>() : nullptr;
   const WeightView view(weight);
-  const auto finish = [&](int64_t block, int64_t r, int64_t chunk, const float (*acc)[kBlock]) {
+  // Rows r..r+chunk-1 of one block's outputs, from columns `column`.. of acc's rows.
+  const auto finish = [&](int64_t block, int64_t r, int64_t chunk, const auto& acc, int64_t column = 0) {
     const int64_t first = block * kBlock, count = std::min<int64_t>(kBlock, out_features - first);
     for (int64_t m = 0; m < chunk; ++m) {
       float* o = op + (r + m) * out_features + first;
-      for (int64_t j = 0; j < count; ++j) o[j] = acc[m][j] + (bias ? bias[first + j] : 0.f);
+      for (int64_t j = 0; j < count; ++j) o[j] = acc[m][column + j] + (bias ? bias[first + j] : 0.f);
     }
   };
 #if KVIK_INT8_DOT
@@ -1285,7 +1286,7 @@ void weight_only_linear_into(const float* xp, int64_t rows, const LinearWeight& 
       kvik::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
         float acc[kRows][kBlock];
         for (int64_t block = begin; block < end; ++block) {
-          run_block_int8_dot(view, block, quantized, 0, rows, acc);
+          run_block_int8_dot(view, block, quantized, rows, acc);
           finish(block, 0, rows, acc);
         }
       });
@@ -1316,11 +1317,7 @@ void weight_only_linear_into(const float* xp, int64_t rows, const LinearWeight& 
           };
           if (count == 2) run(std::integral_constant<int, 2>{});
           else run(std::integral_constant<int, 1>{});
-          for (int64_t nb = 0; nb < count; ++nb) {
-            float part[kRows][kBlock];
-            for (int64_t m = 0; m < chunk; ++m) std::memcpy(part[m], acc[m] + nb * kBlock, sizeof(part[m]));
-            finish(block + nb, r, chunk, part);
-          }
+          for (int64_t nb = 0; nb < count; ++nb) finish(block + nb, r, chunk, acc, nb * kBlock);
         }
       }
     });
