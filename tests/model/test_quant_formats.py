@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvik.model.quant import packing
+from kvik.model.quant.linear import WeightOnlyLinear
 from kvik.model.quant.reference import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 
 
@@ -131,3 +132,9 @@ def test_int4_chunks_hold_each_rows_inputs_in_one_lane():
                 low = values[j, 8 * c + i].item() if 8 * c + i < columns else 0
                 high = values[j, 8 * c + 4 + i].item() if 8 * c + 4 + i < columns else 0
                 assert data[0, c, 4 * j + i].item() == low | (high << 4), (c, j, i)
+
+
+def test_an_unknown_format_name_is_refused():
+    # "bf16" once packed the layer as int4 without a word.
+    with pytest.raises(ValueError, match="bf16.*bfloat16, int8, int4"):
+        WeightOnlyLinear.from_linear(torch.nn.Linear(64, 32), "bf16")

@@ -60,6 +60,9 @@ class WeightOnlyLinear(nn.Module):
                     zero_point: bool = False) -> WeightOnlyLinear:
         """`group_size`: inputs per scale; None takes the format's default (int4 64, int8 32; int8
         takes 0 for a scale per output row)."""
+        if kind not in FORMAT_CODES:
+            # A typo ("bf16") must not quietly become the narrowest format.
+            raise ValueError(f"unknown weight format {kind!r}: choose one of {', '.join(FORMAT_CODES)}")
         weight = linear.weight.detach()
         bias = None if linear.bias is None else linear.bias.detach().float().clone()
         if kind == "bfloat16":
