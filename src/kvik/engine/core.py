@@ -124,6 +124,8 @@ class EngineCore:
                                grammars=self.grammars)
         if self.spec is not None:
             self.spec.start(num_blocks, self.sampler, graphs)
+        if args.scheduler_steps() > 1:
+            self.runner.prepare_greedy_head()
         if self.device.type == "cpu":
             keep_step_memory()  # after the weights and the KV pool have their memory
         self.groups: dict[str, RequestGroup] = {}

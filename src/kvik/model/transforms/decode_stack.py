@@ -9,15 +9,17 @@ modules call, so both paths compute the same outputs.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from kvik.model.layers.attention import AttentionMetadata
+from kvik.model.layers.cpu_kernels import cpu_kernels
 from kvik.model.models.llama import LlamaForCausalLM, LlamaModel
 from kvik.model.transforms.cpu_modules import CpuPagedAttention, FusedLlamaAttention, FusedLlamaMLP
 from kvik.model.transforms.onednn_linear import GEMV_MAX_ROWS
+from kvik.model.transforms.screened_head import ScreenedHead, build_screened_head
 
 logger = logging.getLogger("kvik.model")
 
@@ -60,24 +62,40 @@ class DecodeStackModel(nn.Module):
                      block_tables: torch.Tensor, block_size: int, steps: int, stop_ids: torch.Tensor,
                      live: torch.Tensor) -> torch.Tensor:
         """`steps` greedy forwards in one call, each feeding the next the tokens it chose (the
-        stack's greedy_steps: the body, `head` - the LM head's compiled weight, greedy_head - and
+        stack's greedy_steps: the body, `head` - greedy_head's answer: the LM head, with its int8 copy - and
         the argmax); (forwards run, T) token ids."""
         inner = self.inner
         rotary, norm = inner.rotary[0], inner.norm
+        screen = head.screen
         return self.decode_stack.greedy_steps(token_ids, start_positions, block_tables, block_size, steps, stop_ids,
                                               live, inner.embed_tokens.weight, rotary.cos, rotary.sin, norm.weight,
-                                              norm.eps, head)
+                                              norm.eps, head.weight, None if screen is None else screen.coarse,
+                                              None if screen is None else screen.bound)
 
 
-def greedy_head(model: nn.Module) -> Any:
-    """The LM head's compiled weight, for DecodeStackModel.greedy_steps, where a model's logits are
-    that head's output (a Llama-family model wrapped in the decode stack, compute_logits not
-    overridden); else None."""
+class GreedyHead(NamedTuple):
+    weight: Any  # the LM head's compiled weight
+    screen: ScreenedHead | None  # its int8 copy and bound, where the head is bfloat16
+
+
+def greedy_head(model: nn.Module) -> GreedyHead | None:
+    """The LM head's compiled weight (and int8 copy: kvik.model.transforms.screened_head), for
+    DecodeStackModel.greedy_steps, where a model's logits are that head's output (a Llama-family
+    model wrapped in the decode stack, compute_logits not overridden); else None. The copy is made
+    once per head and kept on it."""
     if not (isinstance(model, LlamaForCausalLM) and isinstance(model.model, DecodeStackModel)
             and type(model).compute_logits is LlamaForCausalLM.compute_logits):
         return None
-    kernel_weight = getattr(model.lm_head, "kernel_weight", None)
-    return kernel_weight() if kernel_weight is not None else None
+    head = model.lm_head
+    kernel_weight = getattr(head, "kernel_weight", None)
+    weight = kernel_weight() if kernel_weight is not None else None
+    if weight is None:
+        return None
+    screen = head.__dict__.get("_greedy_screen", False)
+    if screen is False:
+        screen = build_screened_head(head, cpu_kernels())
+        head.__dict__["_greedy_screen"] = screen  # not a submodule: the copy stays out of the model's bytes
+    return GreedyHead(weight, screen)
 
 
 def unwrap_decode_stack(model: nn.Module) -> None:

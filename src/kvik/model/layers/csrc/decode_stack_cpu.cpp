@@ -129,7 +129,8 @@ class DecodeStack {
                              const torch::Tensor& block_tables, int64_t block_size, int64_t steps,
                              const torch::Tensor& stop_ids, const torch::Tensor& live, const torch::Tensor& embedding,
                              const torch::Tensor& cos_table, const torch::Tensor& sin_table,
-                             const torch::Tensor& final_norm, double final_eps, const WeightPtr& head) const {
+                             const torch::Tensor& final_norm, double final_eps, const WeightPtr& head,
+                             const WeightPtr& coarse_head, const c10::optional<torch::Tensor>& head_bound) const {
     const int64_t rows = token_ids.numel();
     TORCH_CHECK(token_ids.scalar_type() == torch::kInt64 && start_positions.scalar_type() == torch::kInt64 &&
                     start_positions.numel() == rows && token_ids.dim() == 1 && start_positions.dim() == 1 &&
@@ -145,6 +146,7 @@ class DecodeStack {
                 "live must be a contiguous bool (T,) tensor");
     TORCH_CHECK(block_size > 0 && steps >= 0 && head && head->in_features == final_norm.numel(),
                 "a positive block size, steps >= 0 and an LM head over the hidden size");
+    TORCH_CHECK(!coarse_head == !head_bound.has_value(), "a coarse head comes with its bound");
     const int64_t width = block_tables.size(1), stops = stop_ids.size(1);
     const int64_t* tables = block_tables.data_ptr<int64_t>();
     const int64_t* stop = stop_ids.data_ptr<int64_t>();
@@ -177,7 +179,8 @@ class DecodeStack {
         torch::Tensor table = used == width ? block_tables : block_tables.narrow(1, 0, used).contiguous();
         torch::Tensor hidden = forward_tokens(ids, meta[0], embedding, cos_table, sin_table, final_norm, final_eps,
                                               meta[1], table, meta[2]);
-        torch::Tensor chosen = kvik::argmax_rows((*head)(hidden));
+        torch::Tensor chosen = coarse_head ? std::get<0>(kvik::screened_argmax(hidden, *head, *coarse_head, *head_bound))
+                                           : kvik::argmax_rows((*head)(hidden));
         const int64_t* tokens = chosen.data_ptr<int64_t>();
         int64_t* next = ids.data_ptr<int64_t>();
         int64_t* row_out = out.data_ptr<int64_t>() + s * rows;
@@ -360,6 +363,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_inplace", &kvik::rotary_inplace, "neox-style rotary embedding, in place");
   m.def("silu_and_mul", &kvik::silu_and_mul, "out = silu(gate) * up");
   m.def("argmax_rows", &kvik::argmax_rows, "values.argmax(dim=-1) for a contiguous float32 (rows, n) tensor");
+  m.def("screened_argmax", &kvik::screened_argmax,
+        "argmax_rows(x W^T) for a bfloat16 weight-only W, from its int8 copy and a bound: (indices, blocks "
+        "computed exactly, -1 where it computed the full product)",
+        py::arg("x"), py::arg("exact"), py::arg("coarse"), py::arg("bound"));
   m.def("gemv_packed", &kvik::gemv_packed, "y = x W^T + b for rows of x (a few: it streams W once), W in oneDNN's packed layout");
   m.def("stream_read", &kvik::stream_read,
         "read a contiguous CPU tensor as the decode kernels read weights; the sum of its 32-bit words mod 2**32");
@@ -412,6 +419,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("greedy_steps", &DecodeStack::greedy_steps, py::arg("token_ids"), py::arg("start_positions"),
            py::arg("block_tables"), py::arg("block_size"), py::arg("steps"), py::arg("stop_ids"), py::arg("live"),
            py::arg("embedding"), py::arg("cos"), py::arg("sin"), py::arg("final_norm"), py::arg("final_eps"),
-           py::arg("head"))
+           py::arg("head"), py::arg("coarse_head") = py::none(), py::arg("head_bound") = py::none())
       .def_property_readonly("num_layers", &DecodeStack::num_layers);
 }

@@ -5,6 +5,8 @@
 // the time torch/extension.h takes; the files that register Python bindings include that themselves.
 #pragma once
 
+#include <tuple>
+
 #include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>
 
@@ -137,5 +139,15 @@ bool uses_int8_activations(const LinearWeight& weight);
 bool uses_prompt_tiles(const LinearWeight& weight);
 // Whether batches of 12+ rows on this bfloat16 weight multiply in bfloat16 (AVX512-BF16).
 bool uses_bf16_prompt_tiles(const LinearWeight& weight);
+// Each row's argmax of x W^T for a bfloat16 weight-only `exact` W (no bias), the index the full
+// product and argmax_rows give, bit for bit, from fewer bytes: `coarse` is W rounded to int8 (no
+// bias) and bound a float32 (2, out_features) such that the coarse and exact logits of output j
+// differ by at most bound[0][j] * sum(|x|) + bound[1][j] * (the activations' int8 steps, where the
+// copy takes int8 activations) for any x (weight_only_cpu.cpp says why). Returns the indices and
+// how many blocks of 16 outputs it computed exactly, each for a pass of up to four rows (-1 where
+// it computed the full product instead: non-finite values, or rows the full product would run
+// differently).
+std::tuple<at::Tensor, int64_t> screened_argmax(const at::Tensor& x, const LinearWeight& exact,
+                                                const LinearWeight& coarse, const at::Tensor& bound);
 
 }  // namespace kvik

@@ -33,8 +33,10 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cmath>
 #include <cstring>
 #include <memory>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -1407,6 +1409,155 @@ at::Tensor dequantize_transposed(const LinearWeight& weight, bool bfloat16) {
     }
   });
   return out;
+}
+
+// A greedy step needs one index from the LM head, not its logits. On a bfloat16 model the head is
+// a large part of the step's bytes (a quarter on the 125M reference model: 32000 x 768), so the
+// step reads the int8 copy instead (half the bytes) and computes from W only the outputs that could
+// still be the largest. Why the answer is exact: let w' be the copy's values (scale x code, exact
+// reals), e_j = max_i |w_ji - w'_ji|, M_j the larger of max |w_ji| and max |w'_ji|, and A_j the
+// largest sum of |w'_ji| over a block of 32 inputs. Float32 sums of n products in any order are
+// within about n 2^-24 sum_i |x_i| M_j of the true sums, FMA or not. Where the copy multiplies int8
+// activations (VNNI), x_i becomes x'_i = code x s_b with s_b = max |x| over its block / 127 and
+// |x_i - x'_i| <= 0.51 s_b, which moves output j by at most 0.51 A_j sum_b s_b. So the computed
+// coarse and exact logits of output j differ by at most bound[0][j] |x|_1 + bound[1][j] sum_b s_b,
+// with bound[0][j] = e_j + (rounding) M_j and bound[1][j] = 0.51 A_j, both rounded up
+// (kvik.model.transforms.screened_head fills them). If j* has the largest exact logit, then for
+// every j, exact(j*) >= exact(j) >= coarse(j) - bound_j, so coarse(j*) + bound_j* reaches the
+// largest lower end: every output that passes that test is computed exactly, j* and every output
+// tied with it included, and the first largest of those is the full argmax's answer (so is the
+// first largest of any larger set of exact values: a pass of rows computes the union of its rows'
+// blocks once, and each row compares all of them). The exact
+// values come from the same run_block calls (the same block, the same pass of rows) as the full
+// product's, so they are its bits, not just close to them. -ffast-math: finiteness is tested on
+// the bits.
+namespace {
+inline bool finite_bits(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  return (bits & 0x7f800000u) != 0x7f800000u;
+}
+// bound[1] sums |w'| over blocks of this many inputs: the blocks int8 activations are rounded in.
+constexpr int64_t kScreenBlock = 32;
+#if KVIK_INT8_DOT
+static_assert(kActBlock == kScreenBlock, "the screen's activation blocks are the kernels'");
+#endif
+inline bool finite_bits(double v) {
+  uint64_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  return (bits & 0x7ff0000000000000ull) != 0x7ff0000000000000ull;
+}
+}  // namespace
+
+std::tuple<at::Tensor, int64_t> screened_argmax(const at::Tensor& x, const LinearWeight& exact,
+                                                const LinearWeight& coarse, const at::Tensor& bound) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat && x.size(1) == exact.in_features,
+              "x must be a contiguous float32 (rows, in_features) tensor");
+  const auto has_bias = [](const LinearWeight& w) { return w.bias.has_value() && w.bias->defined(); };
+  TORCH_CHECK(exact.format == kBFloat16 && coarse.format == kInt8 && !has_bias(exact) && !has_bias(coarse) &&
+                  coarse.out_features == exact.out_features && coarse.in_features == exact.in_features,
+              "screening takes a bfloat16 weight and its int8 copy, neither with a bias");
+  TORCH_CHECK(bound.dim() == 2 && bound.size(0) == 2 && bound.size(1) == exact.out_features &&
+                  bound.is_contiguous() && bound.scalar_type() == at::kFloat,
+              "bound must be a contiguous float32 (2, out_features) tensor");
+
+  check_linear_weight(exact);
+  check_linear_weight(coarse);
+  const int64_t rows = x.size(0), n = exact.in_features, outputs = exact.out_features;
+  const WeightView view(exact);
+  const auto full = [&] { return std::make_tuple(argmax_rows(weight_only_linear(x, exact)), int64_t{-1}); };
+  // Only where the full product runs its passes of four rows (run_block).
+  bool passes = rows > 0 && !float_tiles(view, rows);
+  const bool int8_activations = int8_dot(WeightView(coarse));
+#if KVIK_BF16_DOT
+  passes = passes && !(rows >= kBf16DotMinRows && bf16_dot_tiles(view));
+#endif
+  if (!passes) return full();
+  const at::Tensor coarse_logits = weight_only_linear(x, coarse);
+  const float* c = coarse_logits.data_ptr<float>();
+  const float* b = bound.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  const int64_t blocks = (outputs + kBlock - 1) / kBlock;
+  // Which blocks each pass of rows (the full product's passes of kRows) computes exactly: the
+  // union of its rows' candidates (an exact value outside a row's candidates is still exact, so
+  // comparing it too changes nothing).
+  const int64_t passes_count = (rows + kRows - 1) / kRows;
+  std::vector<char> marked(rows * blocks, 0);  // per row, then merged per pass
+  std::atomic<bool> non_finite{false};
+  kvik::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* xt = xp + t * n;
+      double l1 = 0.0, steps = 0.0;
+      for (int64_t i = 0; i < n; ++i) l1 += std::abs(static_cast<double>(xt[i]));
+      if (int8_activations)
+        for (int64_t first = 0; first < n; first += kScreenBlock) {
+          float amax = 0.f;
+          for (int64_t i = first; i < std::min(n, first + kScreenBlock); ++i) amax = std::max(amax, std::abs(xt[i]));
+          steps += static_cast<double>(amax) / 127.0;
+        }
+      if (!finite_bits(l1) || !finite_bits(steps)) {
+        non_finite = true;
+        return;
+      }
+      l1 *= 1.0 + 1e-9;  // the sums' own rounding: n additions in double
+      steps *= 1.0 + 1e-9;
+      const float* ct = c + t * outputs;
+      const auto slack = [&](int64_t j) {
+        return static_cast<double>(b[j]) * l1 + static_cast<double>(b[outputs + j]) * steps;
+      };
+      double lower = 0.0;
+      for (int64_t j = 0; j < outputs; ++j) {
+        if (!finite_bits(ct[j])) {
+          non_finite = true;
+          return;
+        }
+        const double low = static_cast<double>(ct[j]) - slack(j);
+        lower = j == 0 ? low : std::max(lower, low);
+      }
+      char* flags = marked.data() + t * blocks;
+      for (int64_t j = 0; j < outputs; ++j)
+        if (static_cast<double>(ct[j]) + slack(j) >= lower) flags[j / kBlock] = 1;
+    }
+  });
+  if (non_finite) return full();
+  // The exact blocks, each pass's in one run_block call per block: the full product's calls.
+  std::vector<std::pair<int64_t, int64_t>> work;  // (pass, block)
+  for (int64_t pass = 0; pass < passes_count; ++pass)
+    for (int64_t block = 0; block < blocks; ++block) {
+      bool any = false;
+      for (int64_t t = pass * kRows; t < std::min(rows, (pass + 1) * kRows); ++t) any = any || marked[t * blocks + block];
+      if (any) work.emplace_back(pass, block);
+    }
+  std::vector<float> values(work.size() * kRows * kBlock);
+  kvik::parallel_for(0, static_cast<int64_t>(work.size()), 4, [&](int64_t begin, int64_t end) {
+    float acc[kRows][kBlock];
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t first_row = work[w].first * kRows, chunk = std::min<int64_t>(kRows, rows - first_row);
+      run_block(view, work[w].second, xp + first_row * n, chunk, nullptr, acc);
+      std::memcpy(values.data() + w * kRows * kBlock, acc, sizeof(acc));
+    }
+  });
+  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  for (int64_t t = 0; t < rows; ++t) {
+    float best = 0.f;
+    int64_t best_index = -1;
+    for (size_t w = 0; w < work.size(); ++w) {  // blocks in ascending order within the pass
+      if (work[w].first != t / kRows) continue;
+      const int64_t first = work[w].second * kBlock, count = std::min<int64_t>(kBlock, outputs - first);
+      const float* row = values.data() + (w * kRows + t % kRows) * kBlock;
+      for (int64_t j = 0; j < count; ++j) {
+        if (!finite_bits(row[j])) return full();
+        if (best_index < 0 || row[j] > best) {  // ascending indices: the first of equal values stays
+          best = row[j];
+          best_index = first + j;
+        }
+      }
+    }
+    o[t] = best_index;
+  }
+  const int64_t computed = static_cast<int64_t>(work.size());
+  return std::make_tuple(out, computed);
 }
 
 at::Tensor LinearWeight::operator()(const at::Tensor& x) const {
