@@ -23,6 +23,23 @@ def test_decode_pairs_each_step_with_a_read(tiny_llama):
     assert min(result["window_fractions"]) <= result["decode_bandwidth_fraction"] <= max(result["window_fractions"])
 
 
+def test_the_pairs_read_only_what_a_greedy_step_reads(tiny_llama):
+    # Greedy runs read the LM head's int8 copy (screened_head) in all but their first forward: the
+    # paired reads leave those bytes out, or the fraction would credit bytes no step read.
+    llm = LLM(str(tiny_llama), show_progress=False, kv_cache_memory=2**24)
+    core = llm.engine.core
+    head = core.model.lm_head
+    screen = head.__dict__.get("_greedy_screen")
+    if not screen:
+        pytest.skip("no int8 copy of the LM head here (no compiled kernels or packed GEMV)")
+    steps = core.args.scheduler_steps()
+    expected = int((steps - 1) / steps * (head.nbytes - screen.copy.nbytes))
+    assert compare.screened_head_discount(core) == expected > 0
+    shape_bytes = ModelShape.from_model_dir(str(tiny_llama)).decode_bytes_per_token()
+    result = single_stream_decode(str(tiny_llama), shape_bytes, prompt_len=8, tokens=8, windows=2)
+    assert result["bytes_per_token"] == shape_bytes - expected
+
+
 def test_decode_runs_in_its_own_process(tiny_llama, tmp_path):
     bytes_per_token = ModelShape.from_model_dir(str(tiny_llama)).decode_bytes_per_token()
     result = run_decode(str(tiny_llama), bytes_per_token, tmp_path)

@@ -8,7 +8,8 @@ import torch
 
 from kvik.model.layers.cpu_kernels import cpu_kernels
 from kvik.model.quant.linear import WeightOnlyLinear
-from kvik.model.transforms.screened_head import build_screened_head
+from kvik.model.transforms.onednn_linear import OneDNNLinear, onednn_available, packed_gemv_layout
+from kvik.model.transforms.screened_head import build_screened_head, drop_screen, screen_for
 
 
 @pytest.fixture(scope="module")
@@ -53,9 +54,45 @@ def test_the_index_is_the_full_products(kernels, vocab, hidden, int8_activations
             x[:, trial % hidden] = 500.0  # an outlier input: the int8 activations' steps are coarse
         blocks = check(kernels, head, screen, x)
         assert blocks >= 0  # screened, not the fallback
-        computed.append(blocks / rows)
+        computed.append(blocks / -(-rows // 4))  # per pass of four rows
     blocks_total = -(-vocab // 16)
     assert sorted(computed)[len(computed) // 2] < blocks_total / 2  # most blocks skipped
+
+
+@pytest.mark.parametrize("vocab,hidden", [(1000, 64), (333, 72), (4099, 256)])
+def test_a_packed_float32_head_gives_the_full_products_index(kernels, vocab, hidden):
+    if not onednn_available():
+        pytest.skip("no oneDNN")
+    g = torch.Generator().manual_seed(vocab)
+    linear = torch.nn.Linear(hidden, vocab, bias=False)
+    linear.weight.data = torch.randn(vocab, hidden, generator=g) * 0.05
+    linear.weight.data[9] *= 40
+    head = OneDNNLinear(linear)
+    layout = packed_gemv_layout(vocab, hidden)
+    if layout is None or not head.enable_gemv(kernels, layout):
+        pytest.skip("the packed GEMV does not take this shape here")
+    address, _, in_stride, block, _ = head.gemv_spec()
+    dense = kernels.unpack_packed_float32(address, vocab, hidden, in_stride, block)
+    assert torch.equal(dense, linear.weight.data)  # the bound is computed on the weights it serves
+    screen = build_screened_head(head, kernels)
+    computed = []
+    for trial in range(40):
+        rows = 1 + trial % 4  # one pass of rows: more take the full product (checked below)
+        x = torch.randn(rows, hidden, generator=g) * (0.01, 1.0, 30.0)[trial % 3]
+        if trial % 4 == 1:
+            x[:, trial % hidden] = 500.0
+        blocks = check(kernels, head, screen, x)
+        assert blocks >= 0
+        computed.append(blocks / -(-rows // 4))
+    assert sorted(computed)[len(computed) // 2] < -(-vocab // layout[0]) / 2
+    assert check(kernels, head, screen, torch.randn(8, hidden, generator=g)) == -1
+
+
+def test_a_dropped_screen_stays_dropped(kernels):
+    head = bf16_head(torch.randn(100, 32) * 0.1, kernels)
+    assert screen_for(head, kernels) is not None
+    drop_screen(head)  # weight sync: the weights changed under the copy
+    assert screen_for(head, kernels) is None
 
 
 def test_ties_and_near_ties_go_to_the_first_index(kernels):

@@ -67,7 +67,7 @@ def measure_format(model: str, engine_args: dict[str, Any], decode_tokens: int, 
                    prompt_len: int, prompt_repeats: int) -> dict[str, Any]:
     """One weight format, in this process: paired-read decode, then prompt throughput."""
     from kvik import LLM, SamplingParams
-    from kvik.bench.compare import paired_decode_steps
+    from kvik.bench.compare import paired_decode_steps, screened_head_discount
     from kvik.model.layers.kv_cache import kv_bytes_per_token
     from kvik.model.transforms.prefetch import last_level_cache_bytes
 
@@ -79,6 +79,7 @@ def measure_format(model: str, engine_args: dict[str, Any], decode_tokens: int, 
     mean_context = decode_prompt_len + 1 + (decode_tokens + 1) / 2
     bytes_per_token = int(core.transforms.linear_weight_bytes + kv_token * mean_context
                           + cfg.hidden_size * 4)  # + the embedding row
+    bytes_per_token -= screened_head_discount(core)
     llm.generate([[5] * 8], SamplingParams(max_tokens=4, ignore_eos=True))  # warm every path
     decode_times, read_times = paired_decode_steps(engine, decode_prompt_len, decode_tokens, bytes_per_token)
     steady_decode, steady_read = paired_decode_steps(engine, decode_prompt_len, decode_tokens, bytes_per_token,

@@ -239,11 +239,15 @@ class ModelRunner:
         return tokens.tolist()
 
     def prepare_greedy_head(self) -> None:
-        """Make the LM head's int8 copy for greedy runs now (~0.5 s and half the head's bytes on
-        the 125M reference model in bfloat16), not in the first greedy request's time."""
+        """Make the LM head's int8 copy for greedy runs now (~0.5 s on the 125M reference model;
+        the copy holds half a bfloat16 head's bytes), not in the first greedy request's time."""
         body = getattr(self.model, "model", None)
         if self.on_cpu and self.graphs is None and isinstance(body, DecodeStackModel):
             _in_inference_mode(self._current_greedy_head, body)
+
+    def forget_greedy_head(self) -> None:
+        """Look the LM head up again at the next greedy run (its weights or copy changed)."""
+        self._greedy_head = None
 
     def _current_greedy_head(self, body: DecodeStackModel) -> GreedyHead | None:
         if self._greedy_head is None or self._greedy_head[0] is not body.decode_stack:

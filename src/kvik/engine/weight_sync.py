@@ -16,7 +16,8 @@ the engine's own storage:
   is assembled from its pieces, packed again by oneDNN and copied over the old buffer, so such a
   linear needs all of its pieces in one update (all of q, k and v);
 - an LM head tied to the embedding and packed separately is repacked from the new embedding;
-- the prefix cache is emptied: its blocks hold keys and values computed with the old weights.
+- the prefix cache is emptied: its blocks hold keys and values computed with the old weights;
+- the LM head's int8 copy for greedy steps (transforms.screened_head) is dropped for good.
 
 Updates happen between steps: the engine must have no unfinished requests. An engine whose linears
 are quantized (WeightOnlyLinear: --quantization, or --dtype bfloat16 on the CPU) refuses updates.
@@ -36,6 +37,7 @@ from kvik.engine.kv_manager import KVCacheManager
 from kvik.model.lora import LoRALinear
 from kvik.model.quant.linear import WeightOnlyLinear
 from kvik.model.transforms.onednn_linear import PACKING_BATCH_HINT, OneDNNLinear, _packed_floats
+from kvik.model.transforms.screened_head import drop_screen
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,6 +224,11 @@ def update_engine_weights(engine: object, weights: Mapping[str, torch.Tensor]
     items = weights.items() if isinstance(weights, Mapping) else weights
     device, dtype = engine.device, engine.dtype
     converted = ((name, tensor.detach().to(device=device, dtype=dtype)) for name, tensor in items)
+    # First, so that no greedy step reads a copy of weights that are (even partly) rewritten.
+    head = getattr(engine.model, "lm_head", None)
+    if head is not None:
+        drop_screen(head)
+    engine.runner.forget_greedy_head()
     copied, repacked = load_weights_in_place(engine.model, converted)
     dropped = invalidate_prefix_cache(engine.kv)
     return WeightUpdate(copied, repacked, dropped, time.perf_counter() - started)

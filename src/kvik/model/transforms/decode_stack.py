@@ -19,7 +19,7 @@ from kvik.model.layers.cpu_kernels import cpu_kernels
 from kvik.model.models.llama import LlamaForCausalLM, LlamaModel
 from kvik.model.transforms.cpu_modules import CpuPagedAttention, FusedLlamaAttention, FusedLlamaMLP
 from kvik.model.transforms.onednn_linear import GEMV_MAX_ROWS
-from kvik.model.transforms.screened_head import ScreenedHead, build_screened_head
+from kvik.model.transforms.screened_head import ScreenedHead, screen_for
 
 logger = logging.getLogger("kvik.model")
 
@@ -91,11 +91,7 @@ def greedy_head(model: nn.Module) -> GreedyHead | None:
     weight = kernel_weight() if kernel_weight is not None else None
     if weight is None:
         return None
-    screen = head.__dict__.get("_greedy_screen", False)
-    if screen is False:
-        screen = build_screened_head(head, cpu_kernels())
-        head.__dict__["_greedy_screen"] = screen  # not a submodule: the copy stays out of the model's bytes
-    return GreedyHead(weight, screen)
+    return GreedyHead(weight, screen_for(head, cpu_kernels()))
 
 
 def unwrap_decode_stack(model: nn.Module) -> None:

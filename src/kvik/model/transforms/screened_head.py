@@ -1,12 +1,13 @@
 """A greedy decode's LM head read from an int8 copy, with the exact answer (csrc screened_argmax).
 
-A greedy step needs the index of the largest logit. On a bfloat16 model the LM head is a large part
-of what a single-stream step reads (a quarter of the 125M reference model's bytes), so the step reads
-an int8 copy of the head (half the bytes), bounds how far each copied logit can be from the exact
-one, and computes from the bfloat16 weight only the outputs whose bound reaches the best: the index
-is the full product's, bit for bit (the proof is in weight_only_cpu.cpp, next to the kernel). The
-copy costs memory (half the head again), so it is made only for a bfloat16 head without a bias, and
-`KVIK_SCREENED_HEAD=0` turns it off.
+A greedy step needs the index of the largest logit. The LM head is a large part of what a small
+model's single-stream step reads (a quarter of the 125M reference model's bytes), so the step reads
+an int8 copy of the head (half a bfloat16 head's bytes, a quarter of a float32 one's), bounds how far
+each copied logit can be from the exact one, and computes from the head's own weight only the
+outputs whose bound reaches the best: the index is the full product's, bit for bit (the proof is in
+weight_only_cpu.cpp, next to the kernel). The copy costs memory (a quarter of a float32 head's), so
+it is made only for a bfloat16 or packed float32 head without a bias; `KVIK_SCREENED_HEAD=0` turns
+it off. A head whose weights change (weight sync) drops its copy: `drop_screen`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 
 from kvik.model.quant.linear import WeightOnlyLinear
 from kvik.model.quant.reference import dequantize_int8, quantize_int8
+from kvik.model.transforms.onednn_linear import OneDNNLinear
 
 logger = logging.getLogger("kvik.model")
 
@@ -38,13 +40,19 @@ def enabled() -> bool:
 
 
 def build_screened_head(head: torch.nn.Module, kernels: Any) -> ScreenedHead | None:
-    """The int8 copy and bound for `head`, or None where screening does not apply (not a bfloat16
-    weight-only head on the compiled kernels, a bias, or turned off)."""
+    """The int8 copy and bound for `head`, or None where screening does not apply (neither a
+    bfloat16 weight-only head nor a packed float32 one on the compiled kernels, a bias, or turned
+    off)."""
     if not (enabled() and kernels is not None and hasattr(kernels, "screened_argmax")
-            and isinstance(head, WeightOnlyLinear) and head.kind == "bfloat16" and head.bias is None
-            and head.kernel_weight() is not None):
+            and getattr(head, "bias", None) is None):
         return None
-    exact = head.dequantize(torch.float32)  # bfloat16 values, exact in float32
+    if isinstance(head, WeightOnlyLinear) and head.kind == "bfloat16" and head.kernel_weight() is not None:
+        exact = head.dequantize(torch.float32)  # bfloat16 values, exact in float32
+    elif isinstance(head, OneDNNLinear) and head.gemv_spec() is not None:
+        address, out_features, in_stride, block, _ = head.gemv_spec()
+        exact = kernels.unpack_packed_float32(address, out_features, head.in_features, in_stride, block)
+    else:
+        return None
     q = quantize_int8(exact, GROUP_SIZE)
     in_features = head.in_features
     weights, steps = [], []
@@ -76,3 +84,31 @@ def build_screened_head(head: torch.nn.Module, kernels: Any) -> ScreenedHead | N
                 sum(t.numel() * t.element_size() for t in (copy.data, copy.scales)) / 2**20)
     return ScreenedHead(coarse, bound32.contiguous(), copy)
 
+
+
+SCREEN_ATTRIBUTE = "_greedy_screen"  # on the head module; not a submodule, so out of the model's bytes
+
+
+def screen_for(head: torch.nn.Module, kernels: Any) -> ScreenedHead | None:
+    """`head`'s screen, made on first use and kept on the module (None: none applies)."""
+    screen = head.__dict__.get(SCREEN_ATTRIBUTE, False)
+    if screen is False:
+        screen = build_screened_head(head, kernels)
+        head.__dict__[SCREEN_ATTRIBUTE] = screen
+    return screen
+
+
+def drop_screen(head: torch.nn.Module) -> None:
+    """Forget `head`'s copy for good: its weights were written (weight sync), and a copy rebuilt on
+    every update would cost more than it saves on a model that is being trained."""
+    head.__dict__[SCREEN_ATTRIBUTE] = None
+
+
+def greedy_bytes_saved(head: torch.nn.Module) -> int:
+    """Bytes a screened greedy forward does not read from `head` (its weight's against the copy's;
+    the few exact blocks it reads are left out), 0 without a copy: for benchmarks that divide the
+    bytes a step reads by its time."""
+    screen = head.__dict__.get(SCREEN_ATTRIBUTE)
+    if not screen:
+        return 0
+    return int(head.nbytes) - int(screen.copy.nbytes)

@@ -363,9 +363,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_inplace", &kvik::rotary_inplace, "neox-style rotary embedding, in place");
   m.def("silu_and_mul", &kvik::silu_and_mul, "out = silu(gate) * up");
   m.def("argmax_rows", &kvik::argmax_rows, "values.argmax(dim=-1) for a contiguous float32 (rows, n) tensor");
+  m.def("unpack_packed_float32", &kvik::unpack_packed_float32,
+        "oneDNN's packed float32 weight as a dense (out_features, in_features) tensor",
+        py::arg("address"), py::arg("out_features"), py::arg("in_features"), py::arg("in_stride"), py::arg("block"));
   m.def("screened_argmax", &kvik::screened_argmax,
-        "argmax_rows(x W^T) for a bfloat16 weight-only W, from its int8 copy and a bound: (indices, blocks "
-        "computed exactly, -1 where it computed the full product)",
+        "argmax_rows(x W^T) for a packed float32 or bfloat16 W, from its int8 copy and a bound: (indices, "
+        "blocks computed exactly, -1 where it computed the full product)",
         py::arg("x"), py::arg("exact"), py::arg("coarse"), py::arg("bound"));
   m.def("gemv_packed", &kvik::gemv_packed, "y = x W^T + b for rows of x (a few: it streams W once), W in oneDNN's packed layout");
   m.def("stream_read", &kvik::stream_read,

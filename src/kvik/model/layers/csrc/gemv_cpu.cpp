@@ -13,6 +13,7 @@
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "decode_team.h"
 #include "kernels.h"
@@ -110,6 +111,44 @@ void gemv_packed_into(const float* x, int64_t rows, int64_t in_features, int64_t
     case 64: gemv_block<64>(rows, out, x, w, bias, out_features, in_features, in_stride); break;
     default: TORCH_CHECK(false, "unsupported block of ", block, " output rows");
   }
+}
+
+void gemv_packed_block(const float* x, int64_t rows, int64_t in_features, int64_t weight_address, int64_t in_stride,
+                       int64_t block, int64_t index, float* out) {
+  const auto* w = reinterpret_cast<const float*>(weight_address);
+  const auto run = [&](auto b) {
+    constexpr int B = decltype(b)::value;
+    const float* wb = w + index * in_stride * B;
+    // out_features = B and first = 0: every lane written to out's row of B, as the pass computes it.
+    switch (rows) {
+      case 1: return block_rows<1, B>(out, x, wb, nullptr, 0, B, in_features);
+      case 2: return block_rows<2, B>(out, x, wb, nullptr, 0, B, in_features);
+      case 3: return block_rows<3, B>(out, x, wb, nullptr, 0, B, in_features);
+      default: return block_rows<4, B>(out, x, wb, nullptr, 0, B, in_features);
+    }
+  };
+  TORCH_CHECK(rows >= 1 && rows <= kRowsPerPass, "a pass takes 1 to ", kRowsPerPass, " rows");
+  switch (block) {
+    case 16: return run(std::integral_constant<int, 16>{});
+    case 32: return run(std::integral_constant<int, 32>{});
+    case 64: return run(std::integral_constant<int, 64>{});
+    default: TORCH_CHECK(false, "unsupported block of ", block, " output rows");
+  }
+}
+
+at::Tensor unpack_packed_float32(int64_t weight_address, int64_t out_features, int64_t in_features,
+                                 int64_t in_stride, int64_t block) {
+  TORCH_CHECK(weight_address != 0 && in_stride >= in_features && out_features > 0 && block > 0, "not a packed weight");
+  const auto* w = reinterpret_cast<const float*>(weight_address);
+  at::Tensor out = at::empty({out_features, in_features}, at::TensorOptions().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, out_features, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      const float* wb = w + (j / block) * in_stride * block + j % block;
+      for (int64_t k = 0; k < in_features; ++k) o[j * in_features + k] = wb[k * block];
+    }
+  });
+  return out;
 }
 
 }  // namespace kvik

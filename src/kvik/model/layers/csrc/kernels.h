@@ -62,6 +62,13 @@ at::Tensor gemv_packed(const at::Tensor& x, int64_t weight_address, int64_t out_
 // The same into `out` (rows, out_features), unchecked: the decode stack's path.
 void gemv_packed_into(const float* x, int64_t rows, int64_t in_features, int64_t weight_address,
                       int64_t out_features, int64_t in_stride, int64_t block, const float* bias, float* out);
+// One block of `block` outputs of the packed weight for 1-4 rows of x, as gemv_packed's pass over
+// those rows computes it (the same arithmetic, so the same bits; no bias), into out (rows, block).
+void gemv_packed_block(const float* x, int64_t rows, int64_t in_features, int64_t weight_address, int64_t in_stride,
+                       int64_t block, int64_t index, float* out);
+// The packed weight's values as a dense (out_features, in_features) float32 tensor.
+at::Tensor unpack_packed_float32(int64_t weight_address, int64_t out_features, int64_t in_features,
+                                 int64_t in_stride, int64_t block);
 
 // How a linear layer's weight is held. kPackedFloat32 is oneDNN's prepacked buffer (gemv_cpu.cpp);
 // the weight-only formats use kvik's blocked layout (weight_only_cpu.cpp): blocks of kWeightBlock
@@ -139,7 +146,7 @@ bool uses_int8_activations(const LinearWeight& weight);
 bool uses_prompt_tiles(const LinearWeight& weight);
 // Whether batches of 12+ rows on this bfloat16 weight multiply in bfloat16 (AVX512-BF16).
 bool uses_bf16_prompt_tiles(const LinearWeight& weight);
-// Each row's argmax of x W^T for a bfloat16 weight-only `exact` W (no bias), the index the full
+// Each row's argmax of x W^T for a packed float32 or bfloat16 `exact` W (no bias), the index the full
 // product and argmax_rows give, bit for bit, from fewer bytes: `coarse` is W rounded to int8 (no
 // bias) and bound a float32 (2, out_features) such that the coarse and exact logits of output j
 // differ by at most bound[0][j] * sum(|x|) + bound[1][j] * (the activations' int8 steps, where the

@@ -36,6 +36,7 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -1427,10 +1428,10 @@ at::Tensor dequantize_transposed(const LinearWeight& weight, bool bfloat16) {
 // largest lower end: every output that passes that test is computed exactly, j* and every output
 // tied with it included, and the first largest of those is the full argmax's answer (so is the
 // first largest of any larger set of exact values: a pass of rows computes the union of its rows'
-// blocks once, and each row compares all of them). The exact
-// values come from the same run_block calls (the same block, the same pass of rows) as the full
-// product's, so they are its bits, not just close to them. -ffast-math: finiteness is tested on
-// the bits.
+// blocks once, and each row compares all of them). The exact values come from the full product's
+// own block functions on the same block and the same pass of rows (run_block; gemv_packed_block
+// for a packed float32 head), so they are its bits, not just close to them. -ffast-math:
+// finiteness is tested on the bits.
 namespace {
 inline bool finite_bits(float v) {
   uint32_t bits;
@@ -1454,30 +1455,37 @@ std::tuple<at::Tensor, int64_t> screened_argmax(const at::Tensor& x, const Linea
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat && x.size(1) == exact.in_features,
               "x must be a contiguous float32 (rows, in_features) tensor");
   const auto has_bias = [](const LinearWeight& w) { return w.bias.has_value() && w.bias->defined(); };
-  TORCH_CHECK(exact.format == kBFloat16 && coarse.format == kInt8 && !has_bias(exact) && !has_bias(coarse) &&
-                  coarse.out_features == exact.out_features && coarse.in_features == exact.in_features,
-              "screening takes a bfloat16 weight and its int8 copy, neither with a bias");
+  const bool packed = exact.format == kPackedFloat32;
+  TORCH_CHECK((packed || exact.format == kBFloat16) && coarse.format == kInt8 && !has_bias(exact) &&
+                  !has_bias(coarse) && coarse.out_features == exact.out_features &&
+                  coarse.in_features == exact.in_features,
+              "screening takes a packed float32 or bfloat16 weight and its int8 copy, neither with a bias");
   TORCH_CHECK(bound.dim() == 2 && bound.size(0) == 2 && bound.size(1) == exact.out_features &&
                   bound.is_contiguous() && bound.scalar_type() == at::kFloat,
               "bound must be a contiguous float32 (2, out_features) tensor");
-
-  check_linear_weight(exact);
+  if (!packed) check_linear_weight(exact);
   check_linear_weight(coarse);
   const int64_t rows = x.size(0), n = exact.in_features, outputs = exact.out_features;
-  const WeightView view(exact);
-  const auto full = [&] { return std::make_tuple(argmax_rows(weight_only_linear(x, exact)), int64_t{-1}); };
-  // Only where the full product runs its passes of four rows (run_block).
-  bool passes = rows > 0 && !float_tiles(view, rows);
+  // Outputs per exact block: the packed layout's block (16, 32 or 64), or kvik's 16.
+  const int64_t width = packed ? exact.block : kBlock;
+  std::optional<WeightView> view;
+  if (!packed) view.emplace(exact);
+  const auto full = [&] { return std::make_tuple(argmax_rows(exact(x)), int64_t{-1}); };
+  // Only where the full product runs its passes of four rows (gemv_packed's block_rows, run_block).
+  // A packed head's blocks are up to 64 outputs wide, so its exact blocks cost more: at 8 rows the
+  // screen measured slower than the full product there (1.98 against 1.64 ms on the reference
+  // head; at 4 rows 0.72 against 1.13), so it screens one pass of rows only.
+  bool passes = rows > 0 && (packed ? rows <= kRows : !float_tiles(*view, rows));
   const bool int8_activations = int8_dot(WeightView(coarse));
 #if KVIK_BF16_DOT
-  passes = passes && !(rows >= kBf16DotMinRows && bf16_dot_tiles(view));
+  passes = passes && (packed || !(rows >= kBf16DotMinRows && bf16_dot_tiles(*view)));
 #endif
   if (!passes) return full();
   const at::Tensor coarse_logits = weight_only_linear(x, coarse);
   const float* c = coarse_logits.data_ptr<float>();
   const float* b = bound.data_ptr<float>();
   const float* xp = x.data_ptr<float>();
-  const int64_t blocks = (outputs + kBlock - 1) / kBlock;
+  const int64_t blocks = (outputs + width - 1) / width;
   // Which blocks each pass of rows (the full product's passes of kRows) computes exactly: the
   // union of its rows' candidates (an exact value outside a row's candidates is still exact, so
   // comparing it too changes nothing).
@@ -1516,11 +1524,11 @@ std::tuple<at::Tensor, int64_t> screened_argmax(const at::Tensor& x, const Linea
       }
       char* flags = marked.data() + t * blocks;
       for (int64_t j = 0; j < outputs; ++j)
-        if (static_cast<double>(ct[j]) + slack(j) >= lower) flags[j / kBlock] = 1;
+        if (static_cast<double>(ct[j]) + slack(j) >= lower) flags[j / width] = 1;
     }
   });
   if (non_finite) return full();
-  // The exact blocks, each pass's in one run_block call per block: the full product's calls.
+  // The exact blocks, each pass's in one call per block: the full product's calls.
   std::vector<std::pair<int64_t, int64_t>> work;  // (pass, block)
   for (int64_t pass = 0; pass < passes_count; ++pass)
     for (int64_t block = 0; block < blocks; ++block) {
@@ -1528,13 +1536,18 @@ std::tuple<at::Tensor, int64_t> screened_argmax(const at::Tensor& x, const Linea
       for (int64_t t = pass * kRows; t < std::min(rows, (pass + 1) * kRows); ++t) any = any || marked[t * blocks + block];
       if (any) work.emplace_back(pass, block);
     }
-  std::vector<float> values(work.size() * kRows * kBlock);
+  std::vector<float> values(work.size() * kRows * width);
   kvik::parallel_for(0, static_cast<int64_t>(work.size()), 4, [&](int64_t begin, int64_t end) {
     float acc[kRows][kBlock];
     for (int64_t w = begin; w < end; ++w) {
       const int64_t first_row = work[w].first * kRows, chunk = std::min<int64_t>(kRows, rows - first_row);
-      run_block(view, work[w].second, xp + first_row * n, chunk, nullptr, acc);
-      std::memcpy(values.data() + w * kRows * kBlock, acc, sizeof(acc));
+      float* dst = values.data() + w * kRows * width;
+      if (packed) {
+        gemv_packed_block(xp + first_row * n, chunk, n, exact.address, exact.in_stride, width, work[w].second, dst);
+      } else {
+        run_block(*view, work[w].second, xp + first_row * n, chunk, nullptr, acc);
+        std::memcpy(dst, acc, sizeof(acc));
+      }
     }
   });
   at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
@@ -1544,8 +1557,8 @@ std::tuple<at::Tensor, int64_t> screened_argmax(const at::Tensor& x, const Linea
     int64_t best_index = -1;
     for (size_t w = 0; w < work.size(); ++w) {  // blocks in ascending order within the pass
       if (work[w].first != t / kRows) continue;
-      const int64_t first = work[w].second * kBlock, count = std::min<int64_t>(kBlock, outputs - first);
-      const float* row = values.data() + (w * kRows + t % kRows) * kBlock;
+      const int64_t first = work[w].second * width, count = std::min<int64_t>(width, outputs - first);
+      const float* row = values.data() + (w * kRows + t % kRows) * width;
       for (int64_t j = 0; j < count; ++j) {
         if (!finite_bits(row[j])) return full();
         if (best_index < 0 || row[j] > best) {  // ascending indices: the first of equal values stays
