@@ -81,9 +81,8 @@ def build_screened_head(head: torch.nn.Module, kernels: Any) -> ScreenedHead | N
     copy.enable_kernels(kernels)
     coarse = copy.kernel_weight()
     logger.info("LM head: greedy steps read an int8 copy (%.1f MiB) and the exact rows they need",
-                sum(t.numel() * t.element_size() for t in (copy.data, copy.scales)) / 2**20)
+                copy.nbytes / 2**20)
     return ScreenedHead(coarse, bound32.contiguous(), copy)
-
 
 
 SCREEN_ATTRIBUTE = "_greedy_screen"  # on the head module; not a submodule, so out of the model's bytes
