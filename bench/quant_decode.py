@@ -7,9 +7,10 @@ side, in one run.
     python bench/quant_decode.py --quality-model DIR        # + KV agreement on a trained model
     python bench/quant_decode.py --model SmolLM2.Q4_1.gguf --formats float32,checkpoint,int4 --skip-kv
 
-Single-stream decode tok/s and bytes per token as a fraction of the paired read bandwidth (a read
-after every step) and of the STREAM read (steps in runs of 8, then reads of a buffer of 4x the
-last-level cache or more), 512-token prompt tok/s, ratios to float32; KV tokens per GiB and
+Single-stream decode tok/s and the bytes a step reads (a greedy step of a float32 or bfloat16
+model reads its LM head's int8 copy: kvik.model.transforms.screened_head) as a fraction of the paired
+read bandwidth (a read after every step) and of the STREAM read (steps in runs of 8, then reads of a
+buffer of 4x the last-level cache or more), 512-token prompt tok/s, ratios to float32; KV tokens per GiB and
 concurrent 1k-token sequences at a fixed budget. Writes the reference model (`kvik make-model
 --size bench`) on first use; the quality model defaults to the trained Shakespeare demo (`kvik
 train demo`) when there is one.
