@@ -12,6 +12,7 @@ from kvik.bench import compare
 from kvik.bench.compare import run_decode, single_stream_decode
 from kvik.bench.roofline import ModelShape
 from kvik.engine import multi_step as multi_step_module
+from kvik.model.transforms.screened_head import SCREEN_ATTRIBUTE
 
 
 def test_decode_pairs_each_step_with_a_read(tiny_llama):
@@ -29,7 +30,7 @@ def test_the_pairs_read_only_what_a_greedy_step_reads(tiny_llama):
     llm = LLM(str(tiny_llama), show_progress=False, kv_cache_memory=2**24)
     core = llm.engine.core
     head = core.model.lm_head
-    screen = head.__dict__.get("_greedy_screen")
+    screen = head.__dict__.get(SCREEN_ATTRIBUTE)
     if not screen:
         pytest.skip("no int8 copy of the LM head here (no compiled kernels or packed GEMV)")
     steps = core.args.scheduler_steps()

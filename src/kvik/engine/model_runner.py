@@ -30,6 +30,7 @@ from kvik.model.lora import LoRAModel
 from kvik.model.pooling import PoolingConfig, PoolSpan, finish_embeddings, pool
 from kvik.model.transforms import bind_kv_cache
 from kvik.model.transforms.decode_stack import DecodeStackModel, GreedyHead, greedy_head
+from kvik.model.transforms.screened_head import drop_screen
 
 
 @dataclass(slots=True)
@@ -245,8 +246,12 @@ class ModelRunner:
         if self.on_cpu and self.graphs is None and isinstance(body, DecodeStackModel):
             _in_inference_mode(self._current_greedy_head, body)
 
-    def forget_greedy_head(self) -> None:
-        """Look the LM head up again at the next greedy run (its weights or copy changed)."""
+    def drop_greedy_head_copy(self) -> None:
+        """The LM head's weights are about to change (weight sync): drop its int8 copy for good
+        (screened_head.drop_screen) and look the head up again at the next greedy run."""
+        head = getattr(self.model, "lm_head", None)
+        if head is not None:
+            drop_screen(head)
         self._greedy_head = None
 
     def _current_greedy_head(self, body: DecodeStackModel) -> GreedyHead | None:

@@ -37,7 +37,6 @@ from kvik.engine.kv_manager import KVCacheManager
 from kvik.model.lora import LoRALinear
 from kvik.model.quant.linear import WeightOnlyLinear
 from kvik.model.transforms.onednn_linear import PACKING_BATCH_HINT, OneDNNLinear, _packed_floats
-from kvik.model.transforms.screened_head import drop_screen
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,10 +224,7 @@ def update_engine_weights(engine: object, weights: Mapping[str, torch.Tensor]
     device, dtype = engine.device, engine.dtype
     converted = ((name, tensor.detach().to(device=device, dtype=dtype)) for name, tensor in items)
     # First, so that no greedy step reads a copy of weights that are (even partly) rewritten.
-    head = getattr(engine.model, "lm_head", None)
-    if head is not None:
-        drop_screen(head)
-    engine.runner.forget_greedy_head()
+    engine.runner.drop_greedy_head_copy()
     copied, repacked = load_weights_in_place(engine.model, converted)
     dropped = invalidate_prefix_cache(engine.kv)
     return WeightUpdate(copied, repacked, dropped, time.perf_counter() - started)

@@ -62,8 +62,8 @@ class DecodeStackModel(nn.Module):
                      block_tables: torch.Tensor, block_size: int, steps: int, stop_ids: torch.Tensor,
                      live: torch.Tensor) -> torch.Tensor:
         """`steps` greedy forwards in one call, each feeding the next the tokens it chose (the
-        stack's greedy_steps: the body, `head` - greedy_head's answer: the LM head, with its int8 copy - and
-        the argmax); (forwards run, T) token ids."""
+        stack's greedy_steps: the body, `head` - greedy_head's answer, the LM head and its int8
+        copy - and the argmax); (forwards run, T) token ids."""
         inner = self.inner
         rotary, norm = inner.rotary[0], inner.norm
         screen = head.screen
@@ -75,7 +75,7 @@ class DecodeStackModel(nn.Module):
 
 class GreedyHead(NamedTuple):
     weight: Any  # the LM head's compiled weight
-    screen: ScreenedHead | None  # its int8 copy and bound, where the head is bfloat16
+    screen: ScreenedHead | None  # its int8 copy and bound (a bfloat16 or packed float32 head), or None
 
 
 def greedy_head(model: nn.Module) -> GreedyHead | None:
